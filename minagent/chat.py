@@ -1,0 +1,149 @@
+"""Chat formats, and traces that record who wrote each part of a conversation.
+
+A trace is a list of Segments: pieces of text, each written by the PROGRAM (the
+prompt, each tool result, and the marker that gives the turn back) or by the
+MODEL (its calls and its answer). The design documents' trace in the minagent
+format:
+
+    PROGRAM  <|user|>What is 4821 + 3907?<|assistant|>
+    MODEL    <|call|>add 4821 3907<|result|>
+    PROGRAM  8728<|assistant|>
+    MODEL    8728<|end|>
+
+No spaces are added around special tokens. (The documents print spaces between
+them only so they are easier to read.) A space after `<|call|>` would be one
+more token for the model to learn. It would also change how the text after it
+is split: for a GPT-2-style BPE, "add" and " add" are different pieces.
+
+`render` turns a trace into (tokens, authors). The trainer's loss covers exactly
+the tokens whose author is MODEL. The model learns to write a call and to copy
+a result, never to predict one. Each segment is encoded separately, as the
+agent loop does (it appends a result's tokens to what the model wrote). Every
+segment boundary is next to a special token, and specials are cut out before
+BPE. So this gives the same tokens as encoding the whole text at once, and
+tests/test_chat.py checks that.
+"""
+
+import dataclasses
+import itertools
+import sys
+
+import numpy as np
+
+PROGRAM, MODEL = 0, 1   # authors of tokens; the loss mask is `authors == MODEL`
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    author: int     # PROGRAM or MODEL
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    name: str
+    user: str           # opens the prompt
+    assistant: str      # gives the turn to the model: after the prompt, and after each tool result
+    end: str            # the model ends its answer, and the episode, with it
+    call: str = "<|call|>"      # the model opens a call...
+    result: str = "<|result|>"  # ...and closes it; the program then writes the result
+    system: str = "{user}{system}\n"  # opens the prompt instead of `user` when there is a system text
+    specials: tuple = ()  # every special token the format writes: a tokenizer must encode each as one id
+
+
+# minagent's own format, for a tokenizer trained with tokenizer.MINAGENT_SPECIALS.
+# It has no system role: a system text opens the user's message on a line of its own,
+#   <|user|>You can call mul A B to multiply A by B.\nWhat is 12 times 34?<|assistant|>
+MINAGENT = ChatFormat("minagent", user="<|user|>", assistant="<|assistant|>", end="<|end|>",
+                      specials=("<|user|>", "<|assistant|>", "<|end|>", "<|call|>", "<|result|>"))
+
+# ChatML, the format SmolLM2-Instruct was tuned on. Its tokenizer has <|im_start|> and <|im_end|>;
+# add <|call|> and <|result|> with tokenizer.add_special_tokens(tok, CHATML.specials). The trace:
+#   PROGRAM  <|im_start|>user\nWhat is 4821 + 3907?<|im_end|>\n<|im_start|>assistant\n
+#   MODEL    <|call|>add 4821 3907<|result|>
+#   PROGRAM  8728<|im_end|>\n<|im_start|>assistant\n
+#   MODEL    8728<|im_end|>
+# Choices: after a result the program closes the turn and opens a new assistant turn. The model
+# then always writes right after "<|im_start|>assistant\n", the place it was tuned to speak from,
+# and we add no role that it has never seen. <|im_end|> is SmolLM2's end of turn and its eos, so
+# it also ends the answer. A system text gets its own block before the user turn, as in SmolLM2's
+# template. That template inserts a default system text ("You are a helpful AI assistant named
+# SmolLM, ...") when none is given; prompt() does not: pass it as `system` to match.
+CHATML = ChatFormat("chatml", user="<|im_start|>user\n", assistant="<|im_end|>\n<|im_start|>assistant\n",
+                    end="<|im_end|>", system="<|im_start|>system\n{system}<|im_end|>\n{user}",
+                    specials=("<|im_start|>", "<|im_end|>", "<|call|>", "<|result|>"))
+
+
+def check_tokenizer(fmt, tok):
+    """Raise if `tok` would split one of the format's special tokens into ordinary pieces."""
+    missing = [s for s in fmt.specials if s not in tok.specials]
+    if missing:
+        raise ValueError(f"tokenizer lacks the {fmt.name} special tokens {missing}; "
+                         f"add them with tokenizer.add_special_tokens(tok, {missing})")
+
+
+def prompt(fmt, question, system=None):
+    """The program's opening. prompt(MINAGENT, "Say hello.") -> PROGRAM "<|user|>Say hello.<|assistant|>"."""
+    head = fmt.user if system is None else fmt.system.format(user=fmt.user, system=system)
+    return Segment(PROGRAM, head + question + fmt.assistant)
+
+
+def tool_round(fmt, call_text, result_text, author=MODEL):
+    """One call and its result: [MODEL "<|call|>add 4821 3907<|result|>", PROGRAM "8728<|assistant|>"].
+
+    author=PROGRAM marks a call that the mission generator wrote for the model: the
+    malformed call of a "fix" mission. It is in the trace, so the model reads the
+    mistake and its error, but it is not in the loss, so the model does not learn
+    to make the mistake.
+    """
+    return [Segment(author, fmt.call + call_text + fmt.result),
+            Segment(PROGRAM, result_text + fmt.assistant)]
+
+
+def answer(fmt, text):
+    """The model's last words: answer(MINAGENT, "8728") -> MODEL "8728<|end|>"."""
+    return Segment(MODEL, text + fmt.end)
+
+
+def text(trace):
+    """The whole conversation as one string."""
+    return "".join(s.text for s in trace)
+
+
+def rounds(trace, fmt):
+    """The (call, result) pairs of a trace in order, e.g. [("add 4821 3907", "8728")]."""
+    pairs = []
+    for seg, nxt in zip(trace, trace[1:]):
+        if seg.text.startswith(fmt.call) and seg.text.endswith(fmt.result):
+            pairs.append((seg.text[len(fmt.call):-len(fmt.result)], nxt.text.removesuffix(fmt.assistant)))
+    return pairs
+
+
+def render(trace, tok):
+    """trace -> (tokens_T int32, authors_T uint8): each segment encoded on its own, then concatenated."""
+    ids = [tok.encode(s.text) for s in trace]
+    tokens_T = np.array([t for seg in ids for t in seg], dtype=np.int32)
+    authors_T = np.array([s.author for s, seg in zip(trace, ids) for _ in seg], dtype=np.uint8)
+    return tokens_T, authors_T
+
+
+_COLOUR = {PROGRAM: "\x1b[2;36m", MODEL: "\x1b[1;32m"}   # program: dim cyan; model: bold green
+_RESET = "\x1b[0m"
+
+
+def show(tokens, authors, tok, color=None):
+    """The text with its authors told apart. Without colour, program text is in [brackets]:
+
+        [<|user|>What is 4821 + 3907?<|assistant|>]<|call|>add 4821 3907<|result|>[8728<|assistant|>]8728<|end|>
+    """
+    if color is None:
+        color = sys.stdout.isatty()
+    out = []
+    pairs = zip((int(t) for t in tokens), (int(a) for a in authors))
+    for author, run in itertools.groupby(pairs, key=lambda p: p[1]):
+        piece = tok.decode([t for t, _ in run])
+        if color:
+            out.append(_COLOUR.get(author, "") + piece + _RESET)
+        else:
+            out.append(f"[{piece}]" if author == PROGRAM else piece)
+    return "".join(out)

@@ -1,0 +1,200 @@
+"""The agent's tools: pure `str -> str` functions, and a Toolbox that runs one episode's calls.
+
+A call is the text the model writes between `<|call|>` and `<|result|>`: a tool
+name, then its arguments, separated by whitespace.
+
+    add 4821 3907     -> 8728
+    reverse butter    -> rettub
+    sort 81 5 23      -> 5 23 81
+    lookup Paul age   -> 34          (in this episode's table of sixteen people)
+    mul 12 34         -> 408         (never in training data: the unseen tool)
+
+A malformed call does not crash the episode: the tool answers a short error the
+model reads like any other result, and may correct itself from.
+
+    add 4821          -> error: add takes two numbers
+    add 4x 3          -> error: not a number: 4x
+    lookup Zed age    -> error: unknown person Zed
+    foo 1             -> error: unknown tool foo
+
+Each tool takes the argument text (everything after the name) and returns a string.
+Inside a tool a malformed argument raises ToolError; the `@tool` decorator turns
+it into that `error: ...` string, so callers of a tool never see an exception.
+"""
+
+import functools
+import random
+import re
+
+MAX_RESULT = 64    # a Toolbox result is at most this many characters: one tool call must not flood the context
+MAX_DIGITS = 20    # a longer number is refused: "add" of two such numbers still fits in MAX_RESULT
+MAX_SORT = 16      # sort at most this many numbers
+BUSY = "error: tool busy, try again"   # what fail_first answers to the first call of an episode
+
+# Pools for the lookup table. Names are short, common and distinct; each one is a
+# word or two for a BPE, so the model can copy it from the question into a call.
+NAMES = ("Paul", "Anna", "John", "Mary", "Tom", "Lucy", "Mark", "Emma", "Jack", "Sara",
+         "Leo", "Nina", "Sam", "Eva", "Max", "Ruth", "Adam", "Rosa", "Hugo", "Iris",
+         "Ben", "Clara", "Dan", "Ella", "Felix", "Grace", "Henry", "Ivy", "Karl", "Laura",
+         "Omar", "Olga", "Peter", "Rita", "Simon", "Tina", "Victor", "Vera", "Zoe", "Alice")
+CITIES = ("Lyon", "Paris", "Rome", "Oslo", "Berlin", "Madrid", "Vienna", "Prague", "Lisbon", "Dublin",
+          "London", "Tokyo", "Cairo", "Lima", "Delhi", "Seoul", "Sydney", "Boston", "Milan", "Athens")
+AGES = (18, 90)    # inclusive
+N_PEOPLE = 16
+
+
+class ToolError(Exception):
+    """A malformed call. Its message, after "error: ", is what the model reads."""
+
+
+def tool(fn):
+    """Make `fn` answer "error: <message>" instead of raising ToolError."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except ToolError as e:
+            return f"error: {e}"
+    return wrapped
+
+
+def _shown(word, n=16):
+    """A user-supplied word as it appears inside an error message: cut, so the error stays short."""
+    return word if len(word) <= n else word[:n] + "..."
+
+
+def _number(word):
+    """"4821" -> 4821. Only plain ASCII decimals (int() would also accept "٤", "1_000" and " 7")."""
+    if not re.fullmatch(r"-?[0-9]+", word):
+        raise ToolError(f"not a number: {_shown(word)}")
+    if len(word.lstrip("-")) > MAX_DIGITS:
+        raise ToolError(f"number too long: {_shown(word)}")
+    return int(word)
+
+
+def _two_numbers(name, args):
+    words = args.split()
+    if len(words) != 2:
+        raise ToolError(f"{name} takes two numbers")
+    return _number(words[0]), _number(words[1])
+
+
+@tool
+def add(args):
+    """add("4821 3907") -> "8728" """
+    a, b = _two_numbers("add", args)
+    return str(a + b)
+
+
+@tool
+def mul(args):
+    """mul("12 34") -> "408" """
+    a, b = _two_numbers("mul", args)
+    return str(a * b)
+
+
+@tool
+def reverse(args):
+    """reverse("butter") -> "rettub" """
+    words = args.split()
+    if len(words) != 1:
+        raise ToolError("reverse takes one word")
+    return words[0][::-1]
+
+
+@tool
+def sort(args):
+    """sort("81 5 23") -> "5 23 81" (as numbers, not as strings: 5 comes before 23)"""
+    words = args.split()
+    if not words:
+        raise ToolError("sort takes numbers")
+    if len(words) > MAX_SORT:
+        raise ToolError(f"sort takes at most {MAX_SORT} numbers")
+    return " ".join(str(x) for x in sorted(_number(w) for w in words))
+
+
+def people_table(seed):
+    """Sixteen (name, age, city) rows, drawn afresh for each episode so that no table can be memorised.
+
+    people_table(0)[:2] -> (("Felix", 35, "Oslo"), ("Henry", 50, "Boston"))
+    The same seed always gives the same table; names are distinct, ages and cities may repeat.
+    """
+    rng = random.Random(seed)
+    names = rng.sample(NAMES, N_PEOPLE)
+    return tuple((name, rng.randint(*AGES), rng.choice(CITIES)) for name in names)
+
+
+@tool
+def lookup(table, args):
+    """lookup(table, "Paul age") -> "34", lookup(table, "Paul city") -> "Lyon".
+
+    Names and fields are matched ignoring case ("paul AGE" works too): the model
+    should not fail on a capital letter, only on a wrong fact.
+    """
+    words = args.split()
+    if len(words) != 2 or words[1].lower() not in ("age", "city"):
+        raise ToolError("lookup takes a name and age or city")
+    name, field = words[0], words[1].lower()
+    for person, age, city in table:
+        if person.lower() == name.lower():
+            return str(age) if field == "age" else city
+    raise ToolError(f"unknown person {_shown(name)}")
+
+
+TOOL_NAMES = ("add", "reverse", "sort", "lookup", "mul")   # the four training tools + mul
+
+
+class Toolbox:
+    """The tools of one episode: its people table, its call counter, and an optional transient failure.
+
+        box = Toolbox(seed=7)
+        box("add 4821 3907")        -> "8728"
+        box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is not in table 7
+        box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
+
+    Calling a Toolbox never raises, whatever the text, and its answer is at most
+    MAX_RESULT characters. Answers never contain "<|": a result cannot smuggle a
+    special token (`<|end|>`, `<|assistant|>`) into the conversation, where the
+    tokenizer would read it as the real thing.
+
+    fail_first=True: the first call of the episode answers BUSY, whatever it is; the
+    next calls work normally. This measures whether the model tries again.
+    tools: the names available in this episode (default: all of TOOL_NAMES).
+    """
+
+    def __init__(self, seed, fail_first=False, tools=None):
+        self.seed, self.fail_first = seed, fail_first
+        self.table = people_table(seed)
+        every = {"add": add, "reverse": reverse, "sort": sort, "mul": mul,
+                 "lookup": functools.partial(lookup, self.table)}
+        names = TOOL_NAMES if tools is None else tuple(tools)
+        unknown = set(names) - set(every)
+        if unknown:
+            raise ValueError(f"no such tools: {sorted(unknown)}; there are {list(every)}")
+        self.tools = {n: every[n] for n in names}
+        self.calls = 0
+        self.log = []       # [(call text, result)] in order
+
+    def __call__(self, call_text):
+        self.calls += 1
+        if self.fail_first and self.calls == 1:
+            result = BUSY
+        else:
+            result = self._run(call_text)
+        result = result.replace("<|", "< |")   # no "<|" can survive: the inserted "<" is followed by " "
+        if len(result) > MAX_RESULT:
+            result = result[:MAX_RESULT - 3] + "..."
+        self.log.append((call_text, result))
+        return result
+
+    def _run(self, call_text):
+        parts = call_text.split(None, 1)        # "add 4821 3907" -> ["add", "4821 3907"]
+        if not parts:
+            return "error: empty call"
+        name, args = parts[0], parts[1] if len(parts) == 2 else ""
+        if name not in self.tools:
+            return f"error: unknown tool {_shown(name)}"
+        try:
+            return self.tools[name](args)
+        except Exception as e:                  # a bug in a tool: still an answer the model (and we) can read
+            return f"error: {name} failed ({type(e).__name__})"
