@@ -31,13 +31,17 @@ class GGUFError(ValueError):
 
 
 class _Cursor:
-    def __init__(self, buf):
-        self.buf, self.pos = buf, 0
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def truncated(self, where):
+        return GGUFError(f"{self.path}: file ends in the middle of {where} (truncated?); "
+                         f"fetch it again with `{FETCH_HINT}`")
 
     def take(self, fmt):
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
-            raise GGUFError("file ends in the middle of the header (truncated?)")
+            raise self.truncated("the header")
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return value
@@ -45,7 +49,7 @@ class _Cursor:
     def string(self):
         n = self.take("<Q")
         if self.pos + n > len(self.buf):
-            raise GGUFError("file ends in the middle of a string (truncated?)")
+            raise self.truncated("a string")
         s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
@@ -71,8 +75,10 @@ def read(path):
         buf = np.memmap(path, dtype=np.uint8, mode="r")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file; fetch it with `{FETCH_HINT}`") from None
-    cur = _Cursor(buf)
-    if len(buf) < 24 or bytes(buf[:4]) != b"GGUF":
+    except ValueError:   # numpy cannot map an empty file
+        raise GGUFError(f"{path}: empty file; fetch it again with `{FETCH_HINT}`") from None
+    cur = _Cursor(buf, path)
+    if bytes(buf[:4]) != b"GGUF"[:len(buf)]:   # a file cut inside the magic is truncated, not foreign
         raise GGUFError(f"{path}: not a GGUF file (bad magic); fetch it again with `{FETCH_HINT}`")
     cur.pos = 4
     version = cur.take("<I")

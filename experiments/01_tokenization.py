@@ -1,0 +1,101 @@
+"""01: how numbers split into tokens, and why a calculator call is only copying.
+
+The spec (section 1, "Why a calculator helps"): a BPE learned on prose splits 4821 into pieces
+that do not follow the digits (4 · 8 · 21), so adding digit by digit is out of reach. But the call
+`add 4821 3907` splits its numbers into the same pieces, in the same order, as the question does:
+writing the call is copying. This script shows the splits under two tokenizers and checks that:
+
+  - minagent's BPE, 8192 pieces learned on the WordNet glosses (GPT-2 pre-tokenizer);
+  - SmolLM2-135M-Instruct's, read from its GGUF file (every digit is its own piece).
+
+Run:
+    bash experiments/data/make_corpus.sh          # once: the WordNet corpus (~9 MB)
+    python experiments/01_tokenization.py         # CPU: ~10 s the first time (training), ~3 s once cached
+    python experiments/01_tokenization.py --quick # CPU: ~1 s, 512 pieces on 300 KB (or a built-in text)
+No GPU needed. Writes experiments/results/01_tokenization.json; the trained tokenizer is cached
+(git-ignored) in experiments/results/wordnet-bpe-8192.tok.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from minagent import tokenizer as tk  # noqa: E402
+from minagent import weights  # noqa: E402
+
+CORPUS = ROOT / "experiments" / "data" / "wordnet.txt"
+RESULTS = ROOT / "experiments" / "results"
+QUESTION, CALL, RESULT = "What is 4821 + 3907?", "add 4821 3907", "8728"
+# --quick without the corpus: a few sentences of prose, repeated (enough for a few hundred merges)
+TINY = ("a domesticated carnivorous mammal that typically has a long snout; the dog barked all night. "
+        "the act of adding numbers together, as in 12 + 30 = 42, is called addition. "
+        "a large body of water that is smaller than an ocean and partly enclosed by land. ") * 40
+
+
+def show(tok, text):
+    """Pieces as the spec writes them: ' · ' between, a word's leading space dropped, a lone space as ␣."""
+    return " · ".join(tok.decode([i]).strip() or "␣" for i in tok.encode(text))
+
+
+def number_pieces(tok, text):
+    """The ids of the pieces that hold a digit, in order: for 'What is 4821 + 3907?' the pieces of both numbers."""
+    return [i for i in tok.encode(text) if any(c.isdigit() for c in tok.decode([i]))]
+
+
+def get_minagent_bpe(args):
+    if args.quick:
+        text = CORPUS.read_text(encoding="utf-8")[:300_000] if CORPUS.exists() else TINY
+        return tk.train(text, args.vocab_size), f"minagent BPE, {args.vocab_size} pieces, quick corpus"
+    cached = RESULTS / f"wordnet-bpe-{args.vocab_size}.tok"
+    if cached.exists() and not args.retrain:
+        return tk.load(cached), f"minagent BPE, {args.vocab_size} pieces, WordNet (cached {cached.name})"
+    if not CORPUS.exists():
+        sys.exit(f"{CORPUS} not found: run `bash experiments/data/make_corpus.sh` (or use --quick)")
+    t0 = time.time()
+    tok = tk.train(CORPUS.read_text(encoding="utf-8"), args.vocab_size, progress=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tk.save(tok, cached)
+    return tok, f"minagent BPE, {args.vocab_size} pieces, WordNet (trained in {time.time() - t0:.1f} s)"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--quick", action="store_true", help="small vocab on a small corpus, a few seconds")
+    ap.add_argument("--retrain", action="store_true", help="ignore the cached .tok file")
+    ap.add_argument("--out", default=str(RESULTS / "01_tokenization.json"))
+    args = ap.parse_args()
+    if args.quick and args.vocab_size == 8192:
+        args.vocab_size = 512
+
+    tokenizers = {"minagent": get_minagent_bpe(args)}
+    gguf_path = weights.smollm2_path()
+    if gguf_path.exists():
+        tokenizers["smollm2"] = (tk.from_gguf(gguf_path), "SmolLM2-135M-Instruct (GGUF)")
+    else:
+        print(f"(SmolLM2 column skipped: {gguf_path} not found; `python -m minagent.weights fetch`)\n")
+
+    results = {"quick": args.quick, "tokenizers": {}}
+    for key, (tok, title) in tokenizers.items():
+        same = number_pieces(tok, CALL) == number_pieces(tok, QUESTION)
+        print(f"{title}: {tok.n_vocab} ids")
+        for text in (QUESTION, CALL, RESULT):
+            print(f"  {text!r:24} -> {show(tok, text)}")
+        print(f"  the call's number pieces are the question's, in the same order: {same}\n")
+        results["tokenizers"][key] = {
+            "title": title, "n_vocab": tok.n_vocab, "call_reuses_question_pieces": same,
+            "splits": {t: {"pieces": show(tok, t), "ids": tok.encode(t)} for t in (QUESTION, CALL, RESULT)},
+        }
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
