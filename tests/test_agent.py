@@ -72,6 +72,7 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
     run = dict(slots=16, max_len=256, temperature=1.0, max_calls=3, max_stretch=12)
     warm, batch = agent.run(params, cfg, tok, FMT, [m.trace[0] for m in ms[:20]],
                             [Toolbox(m.seed) for m in ms[:20]], **run)
+    batch.warmup()          # compiles every (bucket, page-table width) shape the batch can use
     compiles = batch.compiles
     records, batch = agent.run(params, cfg, tok, FMT, [m.trace[0] for m in ms[20:]],
                                [Toolbox(m.seed) for m in ms[20:]], batch=batch, **run)

@@ -1,0 +1,87 @@
+"""A paged KV cache: fixed-shape device buffers, and the host's list of free pages.
+
+The keys and values of every sequence live in one pool of P pages of S
+positions each. A sequence owns a list of pages; its page table row maps
+position p to page `table[p // S]`, offset `p % S`:
+
+    page_size S = 4, pages [7, 2]  ->  positions 0-3 in page 7, 4-7 in page 2
+
+Why pages rather than one [B, max_len] slab per slot? A slab reserves max_len
+positions for every slot whatever its length; pages are handed out as a
+sequence grows and given back when it finishes, so short and long sequences
+share the memory. Shapes still never change: P, S and the table width are
+fixed, so the jitted steps compile once.
+
+Page 0 is a null page that no sequence owns. Unused page-table entries point
+to it, and writes that must go nowhere (padding, paused or free slots) land in
+it. Its contents are garbage by design; the decode step masks them out.
+
+Shape legend: L layers, P pages, S page size, K key/value heads, H head dim.
+"""
+
+import jax.numpy as jnp
+
+NULL_PAGE = 0
+
+
+def init_cache(cfg, n_pages, page_size):
+    """-> {"k": [L, P, S, K, H], "v": [L, P, S, K, H]}, zeros in cfg.dtype. Page 0 is the null page."""
+    if n_pages < 2:
+        raise ValueError(f"n_pages={n_pages}: need at least 2 (page 0 is the null page)")
+    shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+def pages_for(n_positions, page_size):
+    """Pages needed to hold n positions: ceil(n / S). pages_for(0, 4) == 0, pages_for(5, 4) == 2."""
+    return -(-n_positions // page_size)
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages in the KV cache for what was asked."""
+
+
+class PagePool:
+    """Host-side free list with reference counts.
+
+    A page is free when its count is 0. `alloc` hands out pages with count 1;
+    `retain` adds an owner (two sequences sharing a prompt prefix could both
+    point at the same pages); `release` drops one owner and frees the page when
+    none is left. Page 0 is never handed out.
+    """
+
+    def __init__(self, n_pages):
+        self.n_pages = n_pages
+        self.refcount = [0] * n_pages
+        # A stack: the most recently freed page is reused first (it is likely still in cache memory).
+        self.free = list(range(n_pages - 1, NULL_PAGE, -1))
+
+    @property
+    def n_free(self):
+        return len(self.free)
+
+    @property
+    def n_used(self):
+        return self.n_pages - 1 - len(self.free)
+
+    def alloc(self, n):
+        if n > len(self.free):
+            raise OutOfPages(f"asked for {n} pages but only {len(self.free)} of {self.n_pages - 1} are free")
+        pages = [self.free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def retain(self, pages):
+        for p in pages:
+            if p == NULL_PAGE or self.refcount[p] == 0:
+                raise ValueError(f"retain of page {p}, which is not allocated")
+            self.refcount[p] += 1
+
+    def release(self, pages):
+        for p in pages:
+            if p == NULL_PAGE or self.refcount[p] == 0:
+                raise ValueError(f"release of page {p}, which is not allocated (double free?)")
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self.free.append(p)
