@@ -200,24 +200,28 @@ def make_optimizer(tcfg):
         optax.adamw(lr_schedule(tcfg), b1=0.9, b2=0.95, weight_decay=tcfg.weight_decay, mask=decay_mask))
 
 
-def make_train_step(cfg, optimizer):
-    """-> step(params, opt_state, batch) -> (params, opt_state, metrics), jitted.
+def make_train_step(cfg, optimizer, loss=None):
+    """-> step(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics), jitted.
 
     params and opt_state are donated: XLA writes the new values into the old
     buffers, so a step holds one copy of the weights and optimizer moments, not two.
+    loss: see train(); None is loss_fn on params.
     """
-    def step(params, opt_state, batch):
-        (loss, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, batch)
+    def objective(params, batch, frozen):
+        return loss_fn(params, cfg, batch) if loss is None else loss(params, cfg, batch, frozen)
+
+    def step(params, opt_state, batch, frozen=None):
+        (loss_value, n), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, frozen)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(loss=loss, n_tokens=n, grad_norm=optax.tree.norm(grads))
+        return params, opt_state, dict(loss=loss_value, n_tokens=n, grad_norm=optax.tree.norm(grads))
     return jax.jit(step, donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_train_step(cfg, tcfg):
-    """One compiled step per (cfg, tcfg): calling train() again (resuming, a sweep) does not recompile."""
-    return make_train_step(cfg, make_optimizer(tcfg))
+def _cached_train_step(cfg, tcfg, loss=None):
+    """One compiled step per (cfg, tcfg, loss): calling train() again (resuming, a sweep) does not recompile."""
+    return make_train_step(cfg, make_optimizer(tcfg), loss)
 
 
 # ---------------------------------------------------------------- evaluate and train
@@ -243,7 +247,7 @@ def evaluate(params, cfg, examples, seq_len, batch_size, bytes_per_token=None):
 
 def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkpoint_path=None,
           checkpoint_every=0, tokenizer=None, opt_state=None, start_step=0, stop_at=None,
-          bytes_per_token=None):
+          bytes_per_token=None, loss=None, frozen=None):
     """Train for tcfg.steps steps (or until stop_at steps are done) -> (params, history).
 
     The examples are packed once; each epoch visits the rows in a new order
@@ -253,13 +257,21 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     stop_at ends a run early (saving a checkpoint there); the schedule still
     spans tcfg.steps. bytes_per_token: see nats_per_byte.
 
+    loss, frozen: to train something other than the model's weights. `params`
+    is then whatever `loss(params, cfg, batch, frozen) -> (nats per supervised
+    token, n)` differentiates; `frozen` is read, never updated. lora.py passes
+    the adapters as params and the base model as frozen. (eval_examples need
+    the model's weights: evaluate the merged params yourself.)
+
     history: one dict every log_every steps (and at the last): step (steps
     done), loss (of that step's batch), lr (used by that step), grad_norm,
     tokens_per_s (rows x seq_len, padding included, since the last record;
     the first record includes compilation), eval_loss when evaluated.
     """
+    if loss is not None and eval_examples is not None:
+        raise ValueError("eval_examples with a custom loss: evaluate the model's merged params instead")
     data = pack(examples, tcfg.seq_len)
-    step_fn, lr_at = _cached_train_step(cfg, tcfg), lr_schedule(tcfg)
+    step_fn, lr_at = _cached_train_step(cfg, tcfg, loss), lr_schedule(tcfg)
     params = jax.tree.map(jnp.array, params)   # a copy: the step donates (frees) its input buffers
     if opt_state is None:
         opt_state = make_optimizer(tcfg).init(params)
@@ -270,7 +282,7 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     end = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
     for step in range(start_step, end):
         idx_B = np.fromiter(rows, np.int64, tcfg.batch_size)
-        params, opt_state, metrics = step_fn(params, opt_state, {k: v[idx_B] for k, v in data.items()})
+        params, opt_state, metrics = step_fn(params, opt_state, {k: v[idx_B] for k, v in data.items()}, frozen)
         done = step + 1
         evaluating = eval_examples is not None and (
             (tcfg.eval_every and done % tcfg.eval_every == 0) or done == end)
