@@ -1,0 +1,306 @@
+"""04: error recovery and an unseen tool, measured on the small tool-using model.
+
+The spec (section 1): a malformed call does not crash an episode, the tool answers a short
+`error: ...` the model reads like any result, "it may correct itself or not: measured"; the
+toolbox can fail the first call with a transient error (fail_first); and `mul` is never shown in
+training, to test whether the model can use a tool that is only described to it. This script runs
+the small model of experiments/03 (3 layers, d_model 128, trained from scratch on 20,000 missions)
+in the agent loop and counts, on fresh missions in the training phrasings and, separately, in
+held-out phrasings:
+
+1. Transient failures. The same missions (one-call and chained families) with a plain Toolbox and
+   with Toolbox(seed, fail_first=True), whose first call answers `error: tool busy, try again`:
+   does the model call again, the same call, and still answer right?
+2. Malformed calls. The prompt is built as a "fix" mission's trace begins: the program writes the
+   question, a malformed call (`<|call|>add 4821<|result|>`, author PROGRAM) and its error, then
+   `<|assistant|>`; the model goes on from there. Does it make a well-formed call (the gold one?)
+   and answer right? The same questions without the mistake are the comparison.
+   Also, over every episode of this script: how often the model ITSELF wrote a call that got an
+   error, and whether it recovered (a later call that worked, the right answer).
+3. mul, never in training. missions.unseen_mul: "What is 37 times 52?" after the system line
+   "You can call mul A B to multiply A by B." (held-out phrasings only: mul has no training ones).
+   Does it call mul, correctly, and answer right; which tools does it call instead?
+4. Calls per episode and budget exhaustions ("stretch": 40 tokens without a result or <|end|>;
+   "calls": more than 8 calls) for every run.
+
+Every count is written as {k, n, rate}: k episodes out of the n it applies to ("called again
+after busy" applies only to episodes whose first call was answered busy).
+
+The model: experiments/results/03_small_tool.ckpt (written by `python experiments/03_calculator.py
+--only small`). If it is missing, this script trains the same recipe itself (about 4 minutes on
+2 CPU cores) and keeps it in memory only.
+
+Run:
+    python experiments/04_recovery.py            # N = 200 per split and measure: about 4 minutes
+    python experiments/04_recovery.py --n 50     # rougher, faster
+    python experiments/04_recovery.py --quick    # smoke test: a tiny model trained here, < 1 minute
+Times measured on 2 shared CPU cores (see LOG.md), checkpoint present; no GPU used (on a GPU the
+loop is bound by the host-side Python, not by the model). Writes experiments/results/04_recovery.json.
+"""
+
+import argparse
+import collections
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+from minagent import agent, chat, demo, missions, model, train  # noqa: E402
+from minagent.tools import BUSY, Toolbox  # noqa: E402
+
+RESULTS = ROOT / "experiments" / "results"
+CKPT = RESULTS / "03_small_tool.ckpt"
+SPLITS = {"train": "training phrasings", "test": "held-out phrasings"}
+QUESTIONS = missions.SINGLE + missions.MULTI      # the families a retry or fix mission is built on
+TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)   # --quick only
+MAX_LEN = 1024      # room for 8 calls of 40 tokens and their results: see experiments/03
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=200, help="missions per split, for each measure")
+    p.add_argument("--ckpt", default=str(CKPT), help="the small tool user; trained here if missing")
+    p.add_argument("--missions", type=int, default=20000, help="training missions, if training here")
+    p.add_argument("--steps", type=int, default=500, help="training steps, if training here")
+    p.add_argument("--slots", type=int, default=64, help="episodes decoded together")
+    p.add_argument("--examples", type=int, default=3, help="transcripts kept per measure and split")
+    p.add_argument("--quick", action="store_true", help="a tiny model trained here, few missions: a smoke test")
+    p.add_argument("--out", default=str(RESULTS / "04_recovery.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.missions, args.steps, args.n, args.slots, args.examples = 300, 20, 6, 16, 1
+    return args
+
+
+# ---------------------------------------------------------------- the model
+
+def small_model(args):
+    """-> params, cfg, tok, where they came from. experiments/03's checkpoint, or its recipe run here."""
+    if not args.quick and pathlib.Path(args.ckpt).exists():
+        c = train.load_checkpoint(args.ckpt)
+        return c["params"], c["cfg"], c["tokenizer"], dict(checkpoint=args.ckpt, step=c["step"],
+                                                             tcfg=dataclasses.asdict(c["tcfg"]))
+    print(f"no checkpoint at {args.ckpt}: training experiments/03's recipe ({args.steps} steps)"
+          if not args.quick else f"--quick: a tiny model, {args.steps} steps on {args.missions} missions")
+    train_ms = missions.generate(args.missions, seed=args.seed + 1, split="train", families=demo.FAMILIES)
+    tok = demo.mission_tokenizer(train_ms)
+    cfg = model.Config(vocab_size=tok.n_vocab, **(TINY if args.quick else demo.SMALL))
+    tcfg = train.TrainConfig(steps=args.steps, batch_size=32, seq_len=128, lr=3e-3, warmup=min(50, args.steps),
+                             seed=args.seed, log_every=25)
+    params, _ = train.train(model.init(jax.random.PRNGKey(args.seed), cfg), cfg, demo.examples(train_ms, tok), tcfg)
+    return params, cfg, tok, dict(checkpoint=None, step=args.steps, tcfg=dataclasses.asdict(tcfg))
+
+
+class Runner:
+    """agent.run over one warm Batch: the decode steps compile once for the whole script."""
+
+    def __init__(self, params, cfg, tok, slots):
+        self.params, self.cfg, self.tok, self.slots, self.batch = params, cfg, tok, slots, None
+        self.all = []       # every record of the script, for the count of the model's own mistakes
+
+    def __call__(self, prompts, boxes):
+        records, self.batch = agent.run(self.params, self.cfg, self.tok, demo.FMT, prompts, boxes,
+                                        slots=self.slots, max_len=MAX_LEN, batch=self.batch)
+        self.all += records
+        return records
+
+
+# ---------------------------------------------------------------- counting
+
+def frac(k, n):
+    """A count and what it is out of: frac(3, 4) -> {"k": 3, "n": 4, "rate": 0.75} (rate None when n == 0)."""
+    return dict(k=int(k), n=int(n), rate=k / n if n else None)
+
+
+def is_error(result):
+    return result.startswith("error:")
+
+
+def right(records, ms):
+    return frac(sum(r.answer == m.answer for r, m in zip(records, ms)), len(ms))
+
+
+def budget(records):
+    """Calls per episode and budget exhaustions."""
+    statuses = collections.Counter(r.status for r in records)
+    return dict(calls_per_episode=sum(len(r.calls) for r in records) / max(len(records), 1),
+                stretch=frac(statuses["stretch"], len(records)), calls=frac(statuses["calls"], len(records)))
+
+
+def own_mistakes(records, ms):
+    """Episodes in which a call the model wrote got an error (BUSY is the toolbox's fault, not the model's)."""
+    hit = [(r, m) for r, m in zip(records, ms) if any(is_error(res) and res != BUSY for _, res in r.calls)]
+
+    def recovered(r):   # a call that worked after its first mistake
+        first = next(i for i, (_, res) in enumerate(r.calls) if is_error(res) and res != BUSY)
+        return any(not is_error(res) for _, res in r.calls[first + 1:])
+    return dict(episodes=frac(len(hit), len(records)), recovered=frac(sum(recovered(r) for r, _ in hit), len(hit)),
+                right=frac(sum(r.answer == m.answer for r, m in hit), len(hit)),
+                errors=dict(collections.Counter(_error_kind(res) for r, _ in hit for _, res in r.calls
+                                                if is_error(res) and res != BUSY).most_common(8)))
+
+
+def _error_kind(result):
+    """"error: unknown person Zed" -> "unknown person": the message without the part that names the input."""
+    kinds = ("unknown tool", "unknown person", "not a number", "number too long", "empty call")
+    return next((k for k in kinds if result.startswith("error: " + k)), result.removeprefix("error: "))
+
+
+def transcripts(records, tok, k):
+    return [chat.show(r.tokens, r.authors, tok, color=False) for r in records[:k]]
+
+
+# ---------------------------------------------------------------- 1. transient failures
+
+def transient(run, tok, args, split):
+    ms = missions.generate(args.n, seed=args.seed + 5, split=split, families=QUESTIONS)
+    prompts = [m.trace[0] for m in ms]
+    plain = run(prompts, [Toolbox(m.seed) for m in ms])
+    busy = run(prompts, [Toolbox(m.seed, fail_first=True) for m in ms])
+    hit = [(r, m) for r, m in zip(busy, ms) if r.calls]              # its first call was answered BUSY
+    again = [(r, m) for r, m in hit if len(r.calls) > 1]
+    return dict(
+        right_plain=right(plain, ms), right_fail_first=right(busy, ms),
+        busy=frac(len(hit), len(ms)),                                                # made a call at all
+        called_again=frac(len(again), len(hit)),
+        same_call_again=frac(sum(r.calls[1][0] == r.calls[0][0] for r, _ in again), len(hit)),
+        right_after_busy=frac(sum(r.answer == m.answer for r, m in hit), len(hit)),
+        busy_in_answer=frac(sum("busy" in r.answer or "error" in r.answer for r, _ in hit), len(hit)),
+        budget_plain=budget(plain), budget_fail_first=budget(busy), examples=transcripts(busy, tok, args.examples),
+        _records=(plain + busy, ms + ms))
+
+
+# ---------------------------------------------------------------- 2. malformed calls
+
+def malformed(run, tok, args, split):
+    """The prompt: a "fix" mission's first three segments, written by the program, as one Segment.
+
+    [<|user|>Add 17 and 250.<|assistant|>][<|call|>add 17<|result|>][error: add takes two numbers<|assistant|>]
+    then the model writes. The gold continuation is m.calls[1] ("add 17 250") and the answer.
+    """
+    ms = missions.generate(args.n, seed=args.seed + 6, split=split, families=("fix",))
+    prompts = [chat.Segment(chat.PROGRAM, chat.text(m.trace[:3])) for m in ms]
+    fixed = run(prompts, [Toolbox(m.seed) for m in ms])
+    clean = run([m.trace[0] for m in ms], [Toolbox(m.seed) for m in ms])    # the same questions, no mistake
+    called = [(r, m) for r, m in zip(fixed, ms) if r.calls]
+    by_tool = collections.defaultdict(list)                  # by the malformed call's first word
+    for r, m in zip(fixed, ms):
+        by_tool[m.calls[0].split()[0] if m.calls[0].split() else ""].append(r.answer == m.answer)
+    return dict(
+        right_without_mistake=right(clean, ms), right=right(fixed, ms),
+        called_after_error=frac(len(called), len(ms)),
+        first_call_ok=frac(sum(not is_error(r.calls[0][1]) for r, _ in called), len(ms)),
+        first_call_gold=frac(sum(r.calls[0][0] == m.calls[1] for r, m in called), len(ms)),
+        repeated_mistake=frac(sum(r.calls[0][0] == m.calls[0] for r, m in called), len(ms)),
+        right_by_mistaken_tool={t: frac(sum(v), len(v)) for t, v in sorted(by_tool.items())},
+        budget=budget(fixed), budget_without_mistake=budget(clean), examples=transcripts(fixed, tok, args.examples),
+        _records=(fixed + clean, ms + ms))
+
+
+# ---------------------------------------------------------------- 3. mul, never in training
+
+def unseen(run, tok, args):
+    ms = missions.unseen_mul(args.n, seed=args.seed + 7)
+    records = run([m.trace[0] for m in ms], [Toolbox(m.seed) for m in ms])
+    names = lambda r: [c.split()[0] if c.split() else "" for c, _ in r.calls]    # noqa: E731
+    mul = [(r, m) for r, m in zip(records, ms) if "mul" in names(r)]
+    a_b = [tuple(int(x) for x in m.calls[0].split()[1:]) for m in ms]
+    return dict(
+        right=right(records, ms),
+        called=frac(sum(bool(r.calls) for r in records), len(ms)),
+        called_mul=frac(len(mul), len(ms)),
+        mul_correct=frac(sum(m.calls[0] in [c for c, _ in r.calls] for r, m in mul), len(ms)),
+        answered_sum=frac(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), len(ms)),
+        tools_called=dict(collections.Counter(n for r in records for n in names(r)).most_common()),
+        first_tool=dict(collections.Counter(names(r)[0] if r.calls else "(no call)" for r in records).most_common()),
+        budget=budget(records), examples=transcripts(records, tok, args.examples),
+        _records=(records, ms))
+
+
+# ---------------------------------------------------------------- the table
+
+def pct(f):
+    return f"{f['k']:>4}/{f['n']:<4} {f['rate']:>6.1%}" if f["n"] else f"{'-':>4}/{0:<4} {'':>6}"
+
+
+def print_table(res):
+    def row(label, get, splits=SPLITS):
+        print(f"  {label:40}" + "".join(f"  {pct(get(res[s])):>18}" for s in splits))
+
+    print(f"\n04: error recovery and an unseen tool, small model ({res['model']['checkpoint'] or 'trained here'})")
+    print(f"  {'':40}" + "".join(f"  {SPLITS[s]:>18}" for s in SPLITS))
+    t = lambda f: lambda r: r["transient"][f]    # noqa: E731
+    print("1. transient failure: the first call answers 'error: tool busy, try again'")
+    row("right, plain toolbox", t("right_plain"))
+    row("right, fail_first", t("right_fail_first"))
+    row("made a call (so was told busy)", t("busy"))
+    row("  called again after busy", t("called_again"))
+    row("  the same call again", t("same_call_again"))
+    row("  right after busy", t("right_after_busy"))
+    row("  'busy'/'error' in its answer", t("busy_in_answer"))
+    f = lambda k: lambda r: r["malformed"][k]    # noqa: E731
+    print("2. a malformed call and its error written into the prompt")
+    row("right, same questions without mistake", f("right_without_mistake"))
+    row("right after the mistake", f("right"))
+    row("made a call after the error", f("called_after_error"))
+    row("  its first call well-formed", f("first_call_ok"))
+    row("  its first call == the gold call", f("first_call_gold"))
+    row("  repeated the mistake", f("repeated_mistake"))
+    row("its own erroring calls: episodes", lambda r: r["own_mistakes"]["episodes"])
+    row("  recovered (a later call worked)", lambda r: r["own_mistakes"]["recovered"])
+    row("  right", lambda r: r["own_mistakes"]["right"])
+    u = res["mul"]
+    print("3. mul, never in training (held-out phrasings, the prompt describes the tool)")
+    for label, k in (("right", "right"), ("made a call", "called"), ("called mul", "called_mul"),
+                     ("called mul A B correctly", "mul_correct"), ("answered A + B instead", "answered_sum")):
+        print(f"  {label:40}  {'':>18}  {pct(u[k]):>18}")
+    print(f"  tools called: {u['tools_called']}; first call: {u['first_tool']}")
+    print("4. calls per episode; budget exhaustions (stretch / calls)")
+    def calls(b):
+        return f"{b['calls_per_episode']:>5.2f}   {b['stretch']['k']:>3} / {b['calls']['k']:<3}"
+    for label, part, key in (("plain", "transient", "budget_plain"), ("fail_first", "transient", "budget_fail_first"),
+                             ("malformed call in the prompt", "malformed", "budget"),
+                             ("same questions without it", "malformed", "budget_without_mistake")):
+        print(f"  {label:40}" + "".join(f"  {calls(res[s][part][key]):>18}" for s in SPLITS))
+    print(f"  {'mul':40}  {'':>18}  {calls(u['budget']):>18}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    params, cfg, tok, source = small_model(args)
+    run = Runner(params, cfg, tok, args.slots)
+    t_eval = time.perf_counter()
+    res = dict(quick=args.quick, seed=args.seed, n=args.n,
+               model=dict(source, cfg=dataclasses.asdict(cfg), n_params=model.n_params(params)))
+    for split in SPLITS:
+        tr, mf = transient(run, tok, args, split), malformed(run, tok, args, split)
+        (r_tr, m_tr), (r_mf, m_mf) = tr.pop("_records"), mf.pop("_records")
+        records, ms = r_tr + r_mf, m_tr + m_mf
+        res[split] = dict(transient=tr, malformed=mf, own_mistakes=own_mistakes(records, ms))
+    res["mul"] = unseen(run, tok, args)
+    records, ms = res["mul"].pop("_records")
+    res["mul"]["own_mistakes"] = own_mistakes(records, ms)
+    res["episodes"] = len(run.all)
+    res["eval_seconds"] = time.perf_counter() - t_eval
+    res["minutes"] = (time.perf_counter() - t0) / 60
+    print_table(res)
+    for key, label in (("transient", "fail_first"), ("malformed", "malformed call in the prompt")):
+        print(f"\n{label}, a held-out-phrasing episode ([program] / model):\n  {res['test'][key]['examples'][0]}")
+    print(f"\nmul, an episode:\n  {res['mul']['examples'][0]}")
+    print(f"\n{res['episodes']} episodes, {res['eval_seconds']:.0f} s in the loop; {res['minutes']:.1f} minutes "
+          f"-> {args.out}")
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()
