@@ -1,7 +1,8 @@
 """Greedy decode speed: minagent's paged engine vs Hugging Face transformers' `generate`, on CPU.
 
     /work/venv/bin/python benchmarks/bench_decode.py            # about 5 minutes on 2 CPU cores
-    /work/venv/bin/python benchmarks/bench_decode.py --quick    # batch 1 and 4, 16 new tokens
+    /work/venv/bin/python benchmarks/bench_decode.py --quick    # batch 1 and 4, 16 tokens; writes nothing
+    /work/venv/bin/python benchmarks/bench_decode.py --one-core # one core, one thread each (a shared machine)
 
 SmolLM2-135M-Instruct, the same float32 weights on both sides (minagent
 dequantizes the GGUF file itself; transformers' GGUF loader does the same),
@@ -9,7 +10,11 @@ the same chat prompt in every row, `--new` greedy tokens. Each timed run
 covers everything from the prompt to the last token (prefill included, as
 `generate` does); compiling happens in an untimed warm-up run. The two engines
 take turns, `--repeats` times, so that load from other processes on the
-machine hits both; the table reports the best run of each and the median.
+machine hits both; the table reports the best run of each, and the median
+decode step of the best run (steadier than a total under bursts of load).
+Run it on an idle machine: with two threads each and other work running,
+torch's threads slow down far more than XLA's (we saw 6x at load 2), which
+flatters minagent. The script warns when the load average is above 0.5.
 
 Then the host overhead: a small random model at batch 64, where the model is
 cheap and Python's bookkeeping shows: the share of the wall time of `step()`
@@ -169,8 +174,12 @@ def main():
     result = {"device": f"{platform.processor() or platform.machine()}, {cores}",
               "jax": jax.__version__, "torch": torch.__version__, "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "rows": rows, "host_overhead": overhead}
+    result["machine_busy"] = max(load_before[0], result["load_average_after"][0]) > 0.5
 
     print(f"\nSmolLM2-135M greedy decode, float32, CPU ({result['device']}), load {load_before[0]:.1f}")
+    if result["machine_busy"]:
+        print("WARNING: the machine was busy with other work: these numbers are not reliable "
+              "(two-thread torch suffers most); rerun on an idle machine or with --one-core")
     print("tok/s: prompt to last token, best run. step: median decode step, best run. first: prefill + 1 step.")
     print(f"{'batch':>5} {'minagent tok/s':>15} {'HF tok/s':>9} {'ratio':>6} | {'step ms':>8} {'HF step':>8} "
           f"{'ratio':>6} | {'first s':>8} {'HF first':>8}")
@@ -182,6 +191,8 @@ def main():
     print(f"host overhead at batch {overhead['batch']} (d_model 64, 2 layers): {overhead['ms_per_step']:.2f} ms "
           f"per step, {overhead['ms_in_jit_per_step']:.2f} ms inside jit, "
           f"{100 * overhead['share_outside_jit']:.1f}% outside")
+    if args.quick:                # a smoke test: keep the real results
+        return
     out = RESULTS.with_name("decode_one_core.json") if args.one_core else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

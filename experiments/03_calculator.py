@@ -97,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(RESULTS / "03_calculator.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.missions, args.steps, args.additions, args.per_family, args.only = 300, 20, 8, 1, "small"
+        args.missions, args.steps, args.additions, args.per_family, args.only = 200, 10, 8, 1, "small"
     return args
 
 

@@ -65,7 +65,7 @@ MAX_LEN = 1024      # room for 8 calls of 40 tokens and their results: see exper
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n", type=int, default=200, help="missions per split, for each measure")
+    p.add_argument("--n", type=int, default=500, help="missions per split, for each measure")
     p.add_argument("--ckpt", default=str(CKPT), help="the small tool user; trained here if missing")
     p.add_argument("--missions", type=int, default=20000, help="training missions, if training here")
     p.add_argument("--steps", type=int, default=500, help="training steps, if training here")
@@ -207,9 +207,13 @@ def malformed(run, tok, args, split):
 # ---------------------------------------------------------------- 3. mul, never in training
 
 def unseen(run, tok, args):
+    """The mul questions with the tool described in the prompt, and (the comparison) without the description."""
     ms = missions.unseen_mul(args.n, seed=args.seed + 7)
     records = run([m.trace[0] for m in ms], [Toolbox(m.seed) for m in ms])
+    bare = run([chat.prompt(demo.FMT, m.question) for m in ms], [Toolbox(m.seed) for m in ms])
     names = lambda r: [c.split()[0] if c.split() else "" for c, _ in r.calls]    # noqa: E731
+    first_tool = lambda rs: dict(collections.Counter(   # noqa: E731
+        names(r)[0] if r.calls else "(no call)" for r in rs).most_common())
     mul = [(r, m) for r, m in zip(records, ms) if "mul" in names(r)]
     a_b = [tuple(int(x) for x in m.calls[0].split()[1:]) for m in ms]
     return dict(
@@ -219,9 +223,12 @@ def unseen(run, tok, args):
         mul_correct=frac(sum(m.calls[0] in [c for c, _ in r.calls] for r, m in mul), len(ms)),
         answered_sum=frac(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), len(ms)),
         tools_called=dict(collections.Counter(n for r in records for n in names(r)).most_common()),
-        first_tool=dict(collections.Counter(names(r)[0] if r.calls else "(no call)" for r in records).most_common()),
-        budget=budget(records), examples=transcripts(records, tok, args.examples),
-        _records=(records, ms))
+        first_tool=first_tool(records), budget=budget(records), examples=transcripts(records, tok, args.examples),
+        examples_with_calls=transcripts([r for r in records if r.calls], tok, args.examples),
+        without_description=dict(right=right(bare, ms), called=frac(sum(bool(r.calls) for r in bare), len(ms)),
+                                 called_mul=frac(sum("mul" in names(r) for r in bare), len(ms)),
+                                 first_tool=first_tool(bare), budget=budget(bare)),
+        _records=(records + bare, ms + ms))
 
 
 # ---------------------------------------------------------------- the table
@@ -262,6 +269,11 @@ def print_table(res):
                      ("called mul A B correctly", "mul_correct"), ("answered A + B instead", "answered_sum")):
         print(f"  {label:40}  {'':>18}  {pct(u[k]):>18}")
     print(f"  tools called: {u['tools_called']}; first call: {u['first_tool']}")
+    w = u["without_description"]
+    print(f"  {'without the description: right':40}  {'':>18}  {pct(w['right']):>18}")
+    print(f"  {'  made a call':40}  {'':>18}  {pct(w['called']):>18}")
+    print(f"  {'  called mul':40}  {'':>18}  {pct(w['called_mul']):>18}")
+    print(f"  first call: {w['first_tool']}")
     print("4. calls per episode; budget exhaustions (stretch / calls)")
     def calls(b):
         return f"{b['calls_per_episode']:>5.2f}   {b['stretch']['k']:>3} / {b['calls']['k']:<3}"
@@ -270,6 +282,7 @@ def print_table(res):
                              ("same questions without it", "malformed", "budget_without_mistake")):
         print(f"  {label:40}" + "".join(f"  {calls(res[s][part][key]):>18}" for s in SPLITS))
     print(f"  {'mul':40}  {'':>18}  {calls(u['budget']):>18}")
+    print(f"  {'mul, without the description':40}  {'':>18}  {calls(w['budget']):>18}")
 
 
 def main(argv=None):
@@ -295,6 +308,8 @@ def main(argv=None):
     for key, label in (("transient", "fail_first"), ("malformed", "malformed call in the prompt")):
         print(f"\n{label}, a held-out-phrasing episode ([program] / model):\n  {res['test'][key]['examples'][0]}")
     print(f"\nmul, an episode:\n  {res['mul']['examples'][0]}")
+    for ex in res["mul"]["examples_with_calls"][:1]:
+        print(f"mul, the first episode with a call:\n  {ex}")
     print(f"\n{res['episodes']} episodes, {res['eval_seconds']:.0f} s in the loop; {res['minutes']:.1f} minutes "
           f"-> {args.out}")
     out = pathlib.Path(args.out)

@@ -120,4 +120,5 @@ def test_04_recovery_quick(tmp_path):
     mul = res["mul"]
     assert mul["right"]["n"] == n and mul["mul_correct"]["k"] <= mul["called_mul"]["k"] <= mul["called"]["k"]
     assert sum(mul["first_tool"].values()) == n
-    assert res["episodes"] == 2 * 4 * n + n                          # 2 splits x 4 runs, then mul
+    assert mul["without_description"]["called_mul"]["n"] == n
+    assert res["episodes"] == 2 * 4 * n + 2 * n                      # 2 splits x 4 runs, then mul twice
