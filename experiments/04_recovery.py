@@ -27,15 +27,15 @@ Every count is written as {k, n, rate}: k episodes out of the n it applies to ("
 after busy" applies only to episodes whose first call was answered busy).
 
 The model: experiments/results/03_small_tool.ckpt (written by `python experiments/03_calculator.py
---only small`). If it is missing, this script trains the same recipe itself (about 4 minutes on
-2 CPU cores) and keeps it in memory only.
+--only small`). If it is missing, this script trains the same recipe itself and keeps it in memory
+only (it does not write experiments/03's checkpoint).
 
 Run:
-    python experiments/04_recovery.py            # N = 200 per split and measure: about 4 minutes
-    python experiments/04_recovery.py --n 50     # rougher, faster
-    python experiments/04_recovery.py --quick    # smoke test: a tiny model trained here, < 1 minute
-Times measured on 2 shared CPU cores (see LOG.md), checkpoint present; no GPU used (on a GPU the
-loop is bound by the host-side Python, not by the model). Writes experiments/results/04_recovery.json.
+    python experiments/04_recovery.py            # N = 500 per split and measure, 5,000 episodes: 30 s
+    python experiments/04_recovery.py --quick    # smoke test: a tiny model trained here, 10-20 s
+Times measured on 2 shared CPU cores with the checkpoint present (training it here adds about
+3 minutes); not measured on a GPU, where the small model would leave the host-side Python loop as
+the bottleneck. Writes experiments/results/04_recovery.json.
 """
 
 import argparse
@@ -172,6 +172,8 @@ def transient(run, tok, args, split):
         called_again=frac(len(again), len(hit)),
         same_call_again=frac(sum(r.calls[1][0] == r.calls[0][0] for r, _ in again), len(hit)),
         right_after_busy=frac(sum(r.answer == m.answer for r, m in hit), len(hit)),
+        right_same_call=frac(sum(r.answer == m.answer for r, m in again if r.calls[1][0] == r.calls[0][0]),
+                             sum(r.calls[1][0] == r.calls[0][0] for r, _ in again)),
         busy_in_answer=frac(sum("busy" in r.answer or "error" in r.answer for r, _ in hit), len(hit)),
         budget_plain=budget(plain), budget_fail_first=budget(busy), examples=transcripts(busy, tok, args.examples),
         _records=(plain + busy, ms + ms))
@@ -222,11 +224,14 @@ def unseen(run, tok, args):
         called_mul=frac(len(mul), len(ms)),
         mul_correct=frac(sum(m.calls[0] in [c for c, _ in r.calls] for r, m in mul), len(ms)),
         answered_sum=frac(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), len(ms)),
+        answers=dict(collections.Counter(r.answer for r in records).most_common(5)),
         tools_called=dict(collections.Counter(n for r in records for n in names(r)).most_common()),
         first_tool=first_tool(records), budget=budget(records), examples=transcripts(records, tok, args.examples),
         examples_with_calls=transcripts([r for r in records if r.calls], tok, args.examples),
         without_description=dict(right=right(bare, ms), called=frac(sum(bool(r.calls) for r in bare), len(ms)),
                                  called_mul=frac(sum("mul" in names(r) for r in bare), len(ms)),
+                                 answered_sum=frac(sum(r.answer == str(a + b) for r, (a, b) in zip(bare, a_b)),
+                                                   len(ms)),
                                  first_tool=first_tool(bare), budget=budget(bare)),
         _records=(records + bare, ms + ms))
 
@@ -251,6 +256,7 @@ def print_table(res):
     row("  called again after busy", t("called_again"))
     row("  the same call again", t("same_call_again"))
     row("  right after busy", t("right_after_busy"))
+    row("    of those that repeated the call", t("right_same_call"))
     row("  'busy'/'error' in its answer", t("busy_in_answer"))
     f = lambda k: lambda r: r["malformed"][k]    # noqa: E731
     print("2. a malformed call and its error written into the prompt")
@@ -269,10 +275,12 @@ def print_table(res):
                      ("called mul A B correctly", "mul_correct"), ("answered A + B instead", "answered_sum")):
         print(f"  {label:40}  {'':>18}  {pct(u[k]):>18}")
     print(f"  tools called: {u['tools_called']}; first call: {u['first_tool']}")
+    print(f"  its most frequent answers: {u['answers']}")
     w = u["without_description"]
     print(f"  {'without the description: right':40}  {'':>18}  {pct(w['right']):>18}")
     print(f"  {'  made a call':40}  {'':>18}  {pct(w['called']):>18}")
     print(f"  {'  called mul':40}  {'':>18}  {pct(w['called_mul']):>18}")
+    print(f"  {'  answered A + B instead':40}  {'':>18}  {pct(w['answered_sum']):>18}")
     print(f"  first call: {w['first_tool']}")
     print("4. calls per episode; budget exhaustions (stretch / calls)")
     def calls(b):
