@@ -22,8 +22,8 @@ the softmax denominator gains two terms exp(mean logit). The script reports the 
 Run:
     bash experiments/data/make_corpus.sh        # once: experiments/data/wordnet_heldout.txt
     python -m minagent.weights fetch            # once: the SmolLM2 GGUF file (98 MB)
-    python experiments/02_baseline.py           # CPU (2 cores): about 4 minutes
-    python experiments/02_baseline.py --quick   # CPU: about 30 s (5 missions, 20 glosses)
+    python experiments/02_baseline.py           # CPU (2 cores): about 2 minutes (116 s measured)
+    python experiments/02_baseline.py --quick   # CPU: about 30 s (5 missions, 20 glosses); no GPU needed
 Writes experiments/results/02_baseline.json.
 """
 

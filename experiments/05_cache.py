@@ -4,28 +4,37 @@ The spec (section 1, "What the cache saves"): without a cache each resume re-rea
 episode from the start; for a mission of four calls the model goes through 57 positions with the
 cache and 215 without, and the gap grows as the square of the number of calls.
 
-The missions: chains of additions with exactly k calls, k = 1..8 (minagent's
-format and a BPE trained on their text, digits split):
+The missions: chains of additions with exactly k calls, k = 1..8, in minagent's format with a BPE
+trained on their text (digits split). The gold trace of a 2-call chain, one segment a line:
 
-    <|user|>Add up 12, 7 and 30.<|assistant|>
-    <|call|>add 12 7<|result|> 19<|assistant|> <|call|>add 19 30<|result|> 49<|assistant|> 49<|end|>
+    PROGRAM  <|user|>Add up 12, 7 and 30.<|assistant|>
+    MODEL    <|call|>add 12 7<|result|>
+    PROGRAM  19<|assistant|>
+    MODEL    <|call|>add 19 30<|result|>
+    PROGRAM  49<|assistant|>
+    MODEL    49<|end|>
 
-A small model (demo.SMALL, 3 layers, d_model 128) is trained from scratch on such chains, then new
+A small model (demo.SMALL: 3 layers, d_model 128) is trained from scratch on such chains, then new
 chains go through agent.run with cache=True and cache=False. Decoding is greedy, so both runs write
 the same tokens (checked); record.positions is the engine's own count. Episodes are grouped by the
-number of calls the model actually made, right or wrong. Each count is also checked against the
-count by hand: a stretch ends on a token the model sampled and never pushed (each <|result|> it
+number of calls the model actually made, right answer or not. Each count is also checked against
+the count by hand: a stretch ends on a token the model sampled and never pushed (each <|result|> it
 wrote, and its last token). With the cache every other token is pushed once: T - 1. Without it the
 stretch that ends at index e re-reads the episode from 0 and pushes e positions, so the total is the
-sum of the stretch ends: with k rounds of r tokens each that is a quadratic in k. The gold traces'
-counts (by hand, no model) are printed too.
+sum of the stretch ends: with k rounds of r tokens each, a quadratic in k. The gold traces' counts
+(by hand, no model) are printed too.
 
-Then the wall time of the loop with and without the cache on 64 episodes of 4 and of 8 calls.
+Then the wall time of the loop with and without the cache on 64 episodes of 4 and of 8 calls. The
+time ratio is smaller than the positions ratio: both runs take the same decode steps (one token
+per step for every episode); what the cache saves is the re-reading, which is prefill, many
+positions per call. On 2 shared CPU cores these times vary by 2-4x with the load.
 
 Run:
-    python experiments/05_cache.py           # CPU (2 cores): ~6 min the first time (training), ~1 min after
-    python experiments/05_cache.py --quick   # CPU: ~20 s; a tiny model trained a few steps, 1 to 3 calls:
-                                             # the counts are whatever it does, right or wrong
+    python experiments/05_cache.py           # CPU (2 cores): ~13 min the first time (12 of them training,
+                                             # 800 steps), 35 s once the model is cached
+    python experiments/05_cache.py --quick   # CPU: ~30 s; a 2-layer d_model 64 model trained 150 steps,
+                                             # 1 to 3 calls: the counts are whatever it does, right or wrong
+No GPU needed.
 The trained model is cached (git-ignored) in experiments/results/05_cache.ckpt; --retrain ignores it.
 Writes experiments/results/05_cache.json and, if matplotlib is installed, 05_cache.png.
 """
@@ -94,10 +103,9 @@ def get_model(args):
     exs = [chat.render(t, tok) for *_, t in data]
     tcfg = train.TrainConfig(steps=args.steps, batch_size=32, seq_len=args.seq_len, lr=3e-3,
                              warmup=min(50, args.steps // 5), seed=args.seed, log_every=25)
-    print(f"training {model.n_params(model.init(jax.random.PRNGKey(0), cfg)):,} parameters on {len(exs)} "
-          f"chains for {args.steps} steps")
-    params, _ = train.train(model.init(jax.random.PRNGKey(args.seed), cfg), cfg, exs, tcfg,
-                            progress=not args.quick)
+    params = model.init(jax.random.PRNGKey(args.seed), cfg)
+    print(f"training {model.n_params(params):,} parameters on {len(exs)} chains for {args.steps} steps")
+    params, _ = train.train(params, cfg, exs, tcfg, progress=not args.quick)
     if not args.quick:
         train.save_checkpoint(ckpt, params, None, cfg, tcfg, args.steps, tokenizer=tok, extra=recipe)
     return params, cfg, tok
@@ -123,7 +131,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each; the median is kept")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retrain", action="store_true", help="ignore the cached checkpoint")
-    ap.add_argument("--quick", action="store_true", help="tiny model, 60 steps, 1 to 3 calls: about 20 s")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 150 steps, 1 to 3 calls: about 30 s")
     ap.add_argument("--out", default=str(RESULTS / "05_cache.json"))
     args = ap.parse_args()
     if args.quick:
