@@ -10,7 +10,7 @@ numbers, with fresh numbers in the training phrasings ("Add 3959 and 3360.") and
 (a) Small models from scratch, the demo's recipe (`python -m minagent`): 3 layers, d_model 128, a
     512-piece BPE trained on the missions' text, 500 steps of 32 rows x 128 tokens on 20,000
     missions of demo.FAMILIES (additions weigh four times the other families), lr 3e-3. Also
-    accuracy per family on held-out-phrasing missions, calls per episode, budget exhaustions.
+    accuracy per family (held-out and training phrasings), calls per episode, budget exhaustions.
     Checkpoints (for experiments/04; git-ignored), each with its tokenizer and optimizer state:
         experiments/results/03_small_tool.ckpt     the tool user
         experiments/results/03_small_direct.ckpt   the control
@@ -18,7 +18,7 @@ numbers, with fresh numbers in the training phrasings ("Add 3959 and 3360.") and
         train_ms = missions.generate(20000, seed=1, split="train", families=demo.FAMILIES)
         tok = demo.mission_tokenizer(train_ms)
         model.init(PRNGKey(0), model.Config(vocab_size=tok.n_vocab, **demo.SMALL)), then train.train on
-        demo.examples(train_ms, tok) [direct=True for the control] with SMALL_TCFG below (seed 0).
+        demo.examples(train_ms, tok) [direct=True for the control] with small_tcfg(500, seed=0) below.
 
 (b) SmolLM2-135M-Instruct with two new tokens, <|call|> and <|result|> (mean-initialised rows),
     in the ChatML format, fine-tuned on mission traces with the masked loss through a LoRA adapter
@@ -32,18 +32,33 @@ numbers, with fresh numbers in the training phrasings ("Add 3959 and 3360.") and
     two new rows get a trainable delta too (lora.init(..., new_rows=2): 2 x 576 more numbers).
     The control gets the same recipe on the direct traces. Both are compared with SmolLM2 before
     training (calculator offered; it gets a 128-token stretch since it explains before answering).
+    Training data: 800 missions, half additions (SMOL_FAMILIES), 100 steps of 4 rows x 128 tokens,
+    lr 2e-3. The adapters (with opt_state) go to experiments/results/03_smollm2_{tool,direct}_lora.ckpt;
+    load them with train.load_checkpoint(path, params_like=lora.init(key, base, 8, new_rows=2)).
+
+Found (seed 0; experiments/results/03_calculator.json), right out of 200 additions, training /
+held-out phrasings:
+    small model, with the calculator     199 / 37      answering directly (control)     0 / 0
+    SmolLM2 + LoRA, with the calculator  200 / 199     answering directly (control)    30 / 18
+    SmolLM2 before training                0 / 0
+The small model knows no English beyond the missions' phrasings: on new ones it calls less
+reliably or miscopies (per family, 88-100 % on training phrasings, 0-72 % on held-out ones).
+SmolLM2 keeps its English and carries the skill over to phrasings it never trained on.
 
 "Right" means the answer the model wrote after its last turn is exactly the gold answer ("8728").
 "Answer written" is laxer: the gold answer appears anywhere in what the model wrote (a chatty
 "The sum is 8728." counts), a fair chance for the models not taught the answer format.
 
 Run:
-    python experiments/03_calculator.py                   # both parts (about 40 min, see below)
-    python experiments/03_calculator.py --only small      # part (a): about 10 minutes
-    python experiments/03_calculator.py --only smollm2    # part (b): needs `python -m minagent.weights fetch`
-    python experiments/03_calculator.py --quick           # smoke test: a tiny part (a), under a minute
-Times measured on 2 shared CPU cores (see LOG.md); no GPU used. Writes
-experiments/results/03_calculator.json (with --only, only that part of the file is replaced).
+    python experiments/03_calculator.py                   # both parts: 41 min on CPU
+    python experiments/03_calculator.py --only small      # part (a): 6-7 min
+    python experiments/03_calculator.py --only smollm2    # part (b): 35 min; needs `python -m minagent.weights fetch`
+    python experiments/03_calculator.py --quick           # smoke test, a tiny part (a): 20-30 s
+Times measured on 2 CPU cores shared with other jobs, no GPU (not run on one). Part (b): LoRA training
+13 min (tool user) and 8 min (control) for 100 steps of 4 x 128 tokens, at 66-116 tokens/s (140 on a
+quiet machine); SmolLM2 before training, explaining for up to 128 tokens, takes 4-5 min per 200
+episodes; each trained model 0.5-1.5 min. Writes experiments/results/03_calculator.json (with
+--only, only that part of the file is replaced).
 """
 
 import argparse
@@ -139,7 +154,7 @@ def evaluate(params, cfg, tok, ms, fmt, **kw):
     return out
 
 
-def test_sets(args, fmt):
+def addition_sets(args, fmt):
     """200 additions in the training phrasings (fresh numbers) and 200 in held-out phrasings."""
     return {split: missions.additions(args.additions, seed=args.seed + 2, fmt=fmt, split=split)
             for split in ("train", "test")}
@@ -155,7 +170,7 @@ def family_scores(params, cfg, tok, per_family, seed, split, fmt, **kw):
 # ---------------------------------------------------------------- (a) small models from scratch
 
 def small_tcfg(steps, seed):
-    """demo.train_small's TrainConfig."""
+    """demo.train_small's TrainConfig, written out here so that the checkpoints record it (keep the two equal)."""
     return train.TrainConfig(steps=steps, batch_size=32, seq_len=128, lr=3e-3, warmup=50, seed=seed, log_every=25)
 
 
@@ -174,7 +189,7 @@ def part_small(args):
                                           checkpoint_path=path, tokenizer=tok)
         minutes[name] = s / 60
 
-    tests = test_sets(args, demo.FMT)
+    tests = addition_sets(args, demo.FMT)
     additions = {split: evaluate(params, cfg, tok, ms, demo.FMT, max_len=MAX_LEN) for split, ms in tests.items()}
     families = {split: family_scores(params, cfg, tok, args.per_family, args.seed + 4, split, demo.FMT,
                                      max_len=MAX_LEN) for split in ("test", "train")}
@@ -212,7 +227,7 @@ def part_smollm2(args):
         losses[name] = [(h["step"], round(h["loss"], 4)) for h in history]
         speed[name] = float(np.mean([h["tokens_per_s"] for h in history[1:]]))   # the first includes compiling
 
-    tests = test_sets(args, fmt)
+    tests = addition_sets(args, fmt)
     kw = dict(fmt=fmt, slots=args.slots, max_len=MAX_LEN)
     additions = {split: evaluate(params, cfg, tok, ms, **kw) for split, ms in tests.items()}
     for split, ms in tests.items():      # before training, with the calculator offered (it never calls)
