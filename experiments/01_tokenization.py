@@ -12,6 +12,9 @@ Run:
     bash experiments/data/make_corpus.sh          # once: the WordNet corpus (~9 MB)
     python experiments/01_tokenization.py         # CPU: ~10 s the first time (training), ~3 s once cached
     python experiments/01_tokenization.py --quick # CPU: ~1 s, 512 pieces on 300 KB (or a built-in text)
+Then, for context-window budgets (spec part 2, minagent/context.py): token counts of four samples
+written for minagent (tests/data/scripts/: English, Russian, Chinese, Japanese) by each tokenizer,
+against characters / 4, the spec's by-script estimate and the bounds that err high.
 No GPU needed. Writes experiments/results/01_tokenization.json; the trained tokenizer is cached
 (git-ignored) in experiments/results/wordnet-bpe-8192.tok.
 """
@@ -25,11 +28,14 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from minagent import context as cx  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
 from minagent import weights  # noqa: E402
 
 CORPUS = ROOT / "experiments" / "data" / "wordnet.txt"
 RESULTS = ROOT / "experiments" / "results"
+SCRIPTS = ROOT / "tests" / "data" / "scripts"
+SAMPLES = ("english", "russian", "chinese", "japanese")
 QUESTION, CALL, RESULT = "What is 4821 + 3907?", "add 4821 3907", "8728"
 # --quick without the corpus: a few sentences of prose, repeated (enough for a few hundred merges)
 TINY = ("a domesticated carnivorous mammal that typically has a long snout; the dog barked all night. "
@@ -63,6 +69,24 @@ def get_minagent_bpe(args):
     return tok, f"minagent BPE, {args.vocab_size} pieces, WordNet (trained in {time.time() - t0:.1f} s)"
 
 
+def estimates(tokenizers):
+    """Per sample: characters, utf-8 bytes, the estimates of context.py, and each tokenizer's exact count."""
+    rows = {}
+    print(f"{'sample':9} {'chars':>6} {'bytes':>6} {'chars/4':>8} {'spec est.':>9} {'SmolLM2 est.':>12} "
+          + " ".join(f"{key:>9}" for key in tokenizers))
+    for name in SAMPLES:
+        text = (SCRIPTS / f"{name}.txt").read_text(encoding="utf-8")
+        row = {"chars": len(text), "bytes": cx.utf8_bytes(text), "chars4": cx.chars4(text),
+               "spec_estimate": cx.estimate_tokens(text),
+               "smollm2_rates_estimate": cx.estimate_tokens(text, cx.SMOLLM2_RATES),
+               "exact": {key: len(tok.encode(text)) for key, (tok, _) in tokenizers.items()}}
+        rows[name] = row
+        print(f"{name:9} {row['chars']:>6} {row['bytes']:>6} {row['chars4']:>8} {row['spec_estimate']:>9} "
+              f"{row['smollm2_rates_estimate']:>12} " + " ".join(f"{n:>9}" for n in row["exact"].values()))
+    print()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab-size", type=int, default=8192)
@@ -91,6 +115,7 @@ def main():
             "title": title, "n_vocab": tok.n_vocab, "call_reuses_question_pieces": same,
             "splits": {t: {"pieces": show(tok, t), "ids": tok.encode(t)} for t in (QUESTION, CALL, RESULT)},
         }
+    results["estimates"] = estimates(tokenizers)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")

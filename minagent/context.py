@@ -127,16 +127,16 @@ def clearable(history, budget, count):
     return [i for i in results[:len(results) - whole] if count(history[i]) > small]
 
 
-def group_sizes(n):
+def group_sizes(n, group=GROUP):
     """How many of n clearable results step 1 tries to clear, in order: 10 -> [4, 8, 10], 3 -> [3].
 
-    The rule: the oldest min(4j, n) for the smallest j that makes the view fit. So the
+    The rule: the oldest min(4j, n) for the smallest j that makes the view fit (4 is `group`). So the
     number cleared is a multiple of four, unless all n are cleared. Clearing one more
     result at every call would change the start of every request, and a prefix cache
     (the provider reusing the work on a start identical to the last request's) would
     never help. In groups of four, the cleared part stays the same for several calls.
     """
-    return list(range(GROUP, n, GROUP)) + ([n] if n else [])
+    return list(range(group, n, group)) + ([n] if n else [])
 
 
 def _cleared(history, cleared):
@@ -157,11 +157,12 @@ def _fit(history, step, cleared, count, start=0, keep=()):
     return Fit(view, step, cleared, dropped, sum(count(m) for m in view))
 
 
-def fit(history, budget, count):
+def fit(history, budget, count, group=GROUP):
     """The view of `history` to send within `budget` tokens -> Fit. Pure: `history` is not changed.
 
     count(message) -> its tokens (memoise it: see Counter). A view's tokens are the
     sum of its messages' counts, so count each message as it will be rendered.
+    group: results are cleared this many at a time (1 to compare: experiments/06_context.py).
     """
     check(history)
     total = sum(count(m) for m in history)
@@ -171,7 +172,7 @@ def fit(history, budget, count):
     # Step 1: clear the oldest results, four at a time.
     can = clearable(history, budget, count)
     saved = [count(history[i]) - count(CLEARED) for i in can]
-    for n in group_sizes(len(can)):
+    for n in group_sizes(len(can), group):
         if total - sum(saved[:n]) <= budget:
             return _fit(history, 1, set(can[:n]), count)
     cleared = set(can)   # steps 2 and 3 work on top of all of step 1's clearing
@@ -280,6 +281,10 @@ class Rates:
 # quite true there either (2.6 % low), but about 17 times closer than chars/4 (44 % low).
 # A small tokenizer has fewer non-English pieces and needs lower rates: see tests/test_context.py.
 SPEC_RATES = Rates(ascii=4, cjk=1, other=2)
+# Measured on the samples in tests/data/scripts/ with SmolLM2's tokenizer (Russian about 1.3
+# characters per token, Chinese and Japanese about 0.56: each character is 3 utf-8 bytes, often
+# 2 tokens), rounded toward more tokens. With these the estimate errs high on all four samples.
+SMOLLM2_RATES = Rates(ascii=4, cjk=0.5, other=1)
 
 _CJK = re.compile("[\u1100-\u11ff"          # Hangul Jamo
                   "\u2e80-\u2fdf"           # CJK radicals, Kangxi radicals
@@ -312,6 +317,13 @@ def estimate_tokens(text, rates=SPEC_RATES):
     n_ascii, n_cjk, n_other = script_counts(text)
     return (math.ceil(n_ascii / rates.ascii) + math.ceil(n_cjk / rates.cjk)
             + math.ceil(n_other / rates.other))
+
+
+def utf8_bytes(text):
+    """The bound for any byte-level tokenizer: each token holds at least one byte, so tokens <= bytes.
+    The only estimate that errs high whatever the tokenizer learned (one trained on English only
+    has no merges for Cyrillic or CJK and spends a token per byte there), and 4x too high on English."""
+    return len(text.encode("utf-8"))
 
 
 def chars4(text):

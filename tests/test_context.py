@@ -214,6 +214,9 @@ def test_worked_example():
     assert cx.fit(h, 200, note5) == cx.Fit(h, 0, (), (), 142)
     f = cx.fit(h, 100, note5)                              # r1..r4 cleared, four at once, not three
     assert (f.step, f.cleared, f.dropped, f.tokens) == (1, (2, 4, 6, 8), (), 82)
+    f = cx.fit(h, 100, note5, group=1)                     # one at a time: three are enough
+    assert (f.step, f.cleared, f.dropped, f.tokens) == (1, (2, 4, 6), (), 97)
+    assert cx.group_sizes(10, group=3) == [3, 6, 9, 10] and cx.group_sizes(0) == []
     f = cx.fit(h, 60, note5)                               # all five cleared is 67: drop rounds too
     assert (f.step, f.cleared, f.dropped, f.tokens) == (3, (6, 8, 10), (1, 2, 3, 4), 58)
     assert f.view[:2] == (h[0], NOTE) and f.view[-2:] == h[-2:]
@@ -312,10 +315,7 @@ def test_estimate_never_below_chars4(text):
 
 
 SAMPLES = ("english", "russian", "chinese", "japanese")
-# SmolLM2's tokenizer learned few pieces outside English: on these samples Russian is about
-# 1.3 characters per token, Chinese and Japanese about 0.56 (each character is 3 utf-8 bytes,
-# often 2 tokens). Rounded toward more tokens, for a by-script estimate that errs high with it:
-SMOLLM2_RATES = cx.Rates(ascii=4, cjk=0.5, other=1)
+SMOLLM2_RATES = cx.SMOLLM2_RATES
 
 
 def sample(name):
@@ -362,3 +362,26 @@ def test_estimate_errs_high_against_smollm2(smollm2_tok):
         text = sample(name)
         exact = len(smollm2_tok.encode(text))
         assert exact <= cx.estimate_tokens(text, SMOLLM2_RATES) <= 1.5 * exact
+
+
+@pytest.fixture(scope="module")
+def english_bpe():
+    """minagent's BPE trained in-process on English only (as the WordNet one is): no Cyrillic or CJK merges."""
+    return tk.train(sample("english") * 4, 400)
+
+
+def test_bytes_bound_errs_high_against_both_tokenizers(english_bpe, smollm2_tok):
+    """A BPE that learned no Cyrillic or CJK merges spends a token per byte there, and only the
+    utf-8 byte count errs high for it on all four samples (the README's table has the WordNet BPE)."""
+    for name in SAMPLES:
+        text = sample(name)
+        for tok in (english_bpe, smollm2_tok):
+            assert len(tok.encode(text)) <= cx.utf8_bytes(text)
+        if name != "english":
+            assert len(english_bpe.encode(text)) > cx.estimate_tokens(text, SMOLLM2_RATES)
+
+
+@given(text=st.text(max_size=200))
+@settings(max_examples=50, deadline=None)
+def test_byte_level_bpe_never_exceeds_the_bytes_bound(english_bpe, text):
+    assert len(english_bpe.encode(text)) <= cx.utf8_bytes(text)
