@@ -38,6 +38,7 @@ if "--one-core" in sys.argv:     # must be decided before jax starts its thread 
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from minagent import decode, model, weights  # noqa: E402
@@ -81,6 +82,50 @@ def step_ms(stamps):
     """Median time of a decode step (after the first, which includes the prefill), in ms: robust to bursts
     of load from other processes, which a total time is not."""
     return 1e3 * statistics.median(np.diff(stamps))
+
+
+def matmul_floor(params, B, repeats=5):
+    """ms for the weight matmuls of one decode step at batch B and nothing else, in XLA and in torch.
+
+    Every projection of every layer and the unembedding, [B, D] @ [D, *], on the same float32 weights
+    (no attention, no norms, no cache). An engine built on these libraries cannot step faster than this, so
+    transformers' step / floor bounds the speed-up any engine could show against it.
+    """
+    import torch
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    layers = [[np.asarray(params["layers"][n][l]) for n in names] for l in range(params["layers"]["wq"].shape[0])]
+    unembed_DxV = np.asarray(params.get("unembed", params["embed"].T))
+    D = unembed_DxV.shape[0]
+
+    @jax.jit
+    def dots_xla(ws, unembed_DxV, x_BxD):
+        for wq, wk, wv, wo, wg, wu, wd in ws:
+            q_BxNH, k, v = x_BxD @ wq, x_BxD @ wk, x_BxD @ wv
+            x_BxD = x_BxD + (q_BxNH + k.sum() + v.sum()) @ wo
+            x_BxD = x_BxD + (jax.nn.silu(x_BxD @ wg) * (x_BxD @ wu)) @ wd
+        return jnp.argmax(x_BxD @ unembed_DxV, axis=-1)
+
+    def dots_torch(ws, unembed_DxV, x_BxD):
+        for wq, wk, wv, wo, wg, wu, wd in ws:
+            q_BxNH, k, v = x_BxD @ wq, x_BxD @ wk, x_BxD @ wv
+            x_BxD = x_BxD + (q_BxNH + k.sum() + v.sum()) @ wo
+            x_BxD = x_BxD + (torch.nn.functional.silu(x_BxD @ wg) * (x_BxD @ wu)) @ wd
+        return torch.argmax(x_BxD @ unembed_DxV, dim=-1)
+
+    def best_ms(fn, *args):
+        fn(*args)                                       # compile / warm up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * min(times)
+
+    x_BxD = np.random.RandomState(0).randn(B, D).astype(np.float32) * 0.1
+    with torch.no_grad():
+        torch_args = ([[torch.from_numpy(w) for w in ws] for ws in layers], torch.from_numpy(unembed_DxV),
+                      torch.from_numpy(x_BxD))
+        return {"xla_ms": best_ms(dots_xla, layers, unembed_DxV, x_BxD), "torch_ms": best_ms(dots_torch, *torch_args)}
 
 
 def host_overhead(B=64, steps=64):
@@ -151,6 +196,7 @@ def main():
             ours.append(run)
             *run, their_tokens = hf_run(hf_model, prompt, B, args.new)
             theirs.append(run)
+        floor = matmul_floor(params, B)
         agree = next((i for i, (a, b) in enumerate(zip(ours_tokens, their_tokens)) if a != b), args.new)
         n = B * args.new
         best_ours, best_theirs = min(s for s, _ in ours), min(s for s, _ in theirs)
@@ -162,11 +208,13 @@ def main():
                      "decode_step_ratio": step_theirs / step_ours,
                      "minagent_first_token_s": min(t[0] for _, t in ours),
                      "transformers_first_token_s": min(t[0] for _, t in theirs),
+                     "matmul_floor_ms": floor, "best_possible_step_ratio": step_theirs / min(floor.values()),
                      "greedy_tokens_agree": agree, "warmup_compiles": compiles, "compiles_after_warmup": recompiles,
                      "minagent_runs_s": [s for s, _ in ours], "transformers_runs_s": [s for s, _ in theirs]})
         print(f"batch {B}: minagent {n / best_ours:.1f} tok/s, transformers {n / best_theirs:.1f} tok/s, ratio "
               f"{best_theirs / best_ours:.2f}; decode step {step_ours:.1f} vs {step_theirs:.1f} ms; greedy tokens "
-              f"agree on {agree}/{args.new}; runs {rows[-1]['minagent_runs_s']} vs "
+              f"agree on {agree}/{args.new}; weight matmuls alone {floor['xla_ms']:.1f} ms (XLA), "
+              f"{floor['torch_ms']:.1f} ms (torch); runs {rows[-1]['minagent_runs_s']} vs "
               f"{rows[-1]['transformers_runs_s']} s", flush=True)
 
     overhead = host_overhead(steps=16 if args.quick else 64)
@@ -188,6 +236,11 @@ def main():
               f"{r['minagent_decode_step_ms']:>8.1f} {r['transformers_decode_step_ms']:>8.1f} "
               f"{r['decode_step_ratio']:>6.2f} | {r['minagent_first_token_s']:>8.2f} "
               f"{r['transformers_first_token_s']:>8.2f}")
+    print("floor: the weight matmuls of one step alone (XLA / torch, ms); best possible: HF step / the faster "
+          "floor, the step ratio that an engine doing nothing but those matmuls would reach")
+    for r in rows:
+        print(f"{r['batch']:>5} floor {r['matmul_floor_ms']['xla_ms']:.1f} / {r['matmul_floor_ms']['torch_ms']:.1f} ms, "
+              f"best possible step ratio {r['best_possible_step_ratio']:.2f}")
     print(f"host overhead at batch {overhead['batch']} (d_model 64, 2 layers): {overhead['ms_per_step']:.2f} ms "
           f"per step, {overhead['ms_in_jit_per_step']:.2f} ms inside jit, "
           f"{100 * overhead['share_outside_jit']:.1f}% outside")

@@ -89,7 +89,8 @@ def by_hand(tokens, authors, result_id):
 
 def get_model(args):
     """The chain-trained model: from the cached checkpoint if it matches the arguments, else trained now."""
-    ckpt, recipe = RESULTS / "05_cache.ckpt", dict(steps=args.steps, train=args.train, seed=args.seed)
+    ckpt, recipe = RESULTS / "05_cache.ckpt", dict(steps=args.steps, train=args.train, seed=args.seed,
+                                                   ks=args.ks, vocab_size=args.vocab_size, seq_len=args.seq_len)
     if not args.quick and ckpt.exists() and not args.retrain:
         c = train.load_checkpoint(ckpt)
         if c["extra"] == recipe:

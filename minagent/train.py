@@ -343,6 +343,9 @@ def save_checkpoint(path, params, opt_state, cfg, tcfg, step, tokenizer=None, ex
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
 
     fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)    # mkstemp makes it private (0600); a checkpoint is an ordinary file
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)

@@ -207,6 +207,15 @@ def test_checkpoint_round_trip_with_tokenizer_and_extra(params, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_checkpoint_file_mode_follows_the_umask(params, tmp_path):
+    old = os.umask(0o022)
+    try:
+        tr.save_checkpoint(tmp_path / "ck.npz", params, None, TINY, tr.TrainConfig(), 0)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ck.npz").stat().st_mode & 0o777 == 0o644      # not mkstemp's private 0600
+
+
 def test_bad_checkpoints_raise_clear_errors(params, tmp_path, monkeypatch):
     path = tmp_path / "ck.npz"
     tr.save_checkpoint(path, params, None, TINY, tr.TrainConfig(), 3)
