@@ -18,7 +18,7 @@ numbers, with fresh numbers in the training phrasings ("Add 3959 and 3360.") and
         train_ms = missions.generate(20000, seed=1, split="train", families=demo.FAMILIES)
         tok = demo.mission_tokenizer(train_ms)
         model.init(PRNGKey(0), model.Config(vocab_size=tok.n_vocab, **demo.SMALL)), then train.train on
-        demo.examples(train_ms, tok) [direct=True for the control] with small_tcfg(500, seed=0) below.
+        demo.examples(train_ms, tok) [direct=True for the control] with demo.small_tcfg(500, seed=0).
 
 (b) SmolLM2-135M-Instruct with two new tokens, <|call|> and <|result|> (mean-initialised rows),
     in the ChatML format, fine-tuned on mission traces with the masked loss through a LoRA adapter
@@ -169,17 +169,12 @@ def family_scores(params, cfg, tok, per_family, seed, split, fmt, **kw):
 
 # ---------------------------------------------------------------- (a) small models from scratch
 
-def small_tcfg(steps, seed):
-    """demo.train_small's TrainConfig, written out here so that the checkpoints record it (keep the two equal)."""
-    return train.TrainConfig(steps=steps, batch_size=32, seq_len=128, lr=3e-3, warmup=50, seed=seed, log_every=25)
-
-
 def part_small(args):
     t0 = time.perf_counter()
     train_ms = missions.generate(args.missions, seed=args.seed + 1, split="train", families=demo.FAMILIES)
     tok = demo.mission_tokenizer(train_ms)
     cfg = model.Config(vocab_size=tok.n_vocab, **demo.SMALL)
-    tcfg = small_tcfg(args.steps, args.seed)
+    tcfg = demo.small_tcfg(args.steps, args.seed)
     params, minutes = {}, {}
     for name, direct in (("tool", False), ("direct", True)):
         print(f"small model, {'the control (direct answers)' if direct else 'the tool user'}: {args.steps} steps")

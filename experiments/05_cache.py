@@ -137,7 +137,7 @@ def main():
     args = ap.parse_args()
     if args.quick:
         args.max_calls, args.per_k, args.train, args.steps, args.seq_len = 3, 4, 600, 150, 128
-        args.timed, args.timed_episodes = [3], 8
+        args.timed, args.timed_episodes, args.repeats = [3], 8, 1
     args.ks = list(range(1, args.max_calls + 1))
     t_start = time.perf_counter()
     RESULTS.mkdir(parents=True, exist_ok=True)

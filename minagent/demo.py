@@ -39,13 +39,17 @@ def examples(ms, tok, direct=False):
     return [chat.render(m.direct if direct else m.trace, tok) for m in ms]
 
 
+def small_tcfg(steps=500, seed=0):
+    """The small model's training recipe: batches of 32 x 128 tokens, AdamW at 3e-3."""
+    return train.TrainConfig(steps=steps, batch_size=32, seq_len=128, lr=3e-3, warmup=50, seed=seed,
+                             log_every=25)
+
+
 def train_small(exs, tok, steps=500, seed=0, progress=True, **arch):
     """A small Llama-style model trained from scratch on `exs` -> (params, cfg, history)."""
     cfg = model.Config(vocab_size=tok.n_vocab, **{**SMALL, **arch})
     params = model.init(jax.random.PRNGKey(seed), cfg)
-    tcfg = train.TrainConfig(steps=steps, batch_size=32, seq_len=128, lr=3e-3, warmup=50, seed=seed,
-                             log_every=25)
-    params, history = train.train(params, cfg, exs, tcfg, progress=progress)
+    params, history = train.train(params, cfg, exs, small_tcfg(steps, seed), progress=progress)
     return params, cfg, history
 
 
