@@ -11,6 +11,7 @@ Each sequence is a small state machine:
     queued --(slot and pages)--> running --pause token--> paused  --resume--> queued
                                          --stop token---> stopped --resume--> queued
                                          --limit--------> length  --resume--> queued
+    paused / stopped / length --rewrite--> queued
     any --finish--> finished   (pages back to the pool, slot freed, tokens still readable)
 
 A paused sequence keeps its slot and its pages but no longer goes through the
@@ -33,6 +34,20 @@ Pages: admission reserves pages for every position the stretch can write
 (its length + limit - 1), and a stretch that ends gives back the pages it did
 not fill. So a paused-and-resumed sequence holds exactly as many pages as the
 same text given whole as a prompt.
+
+Rewrite: a sequence's tokens are one *view* of its episode. When the view must
+change other than at its end (context.fit replaced an old tool result by a
+short note to stay within a budget), rewrite() swaps in the new token list.
+K/V at a position depends only on the tokens up to it (attention is causal),
+so the cache of the longest common prefix of the old and new tokens stays, and
+only the rest is prefilled again: a prefix cache, as a provider keeps for a
+request whose start is identical to the last one's. That is why context.fit
+clears old results four at a time: the start of the view then stays the same
+for several calls. The `reprefilled` counters count those positions.
+
+park() gives back a waiting sequence's slot but keeps its pages, for one that
+will wait long (an agent waiting for its sub-agent); the next resume or
+rewrite queues it for a slot again, its cache intact.
 """
 
 import dataclasses
@@ -57,7 +72,10 @@ class Sequence:
     slot: int | None = None        # its row in the decode step, while it holds one
     pages: list = dataclasses.field(default_factory=list)
     positions: int = 0             # positions pushed through the model so far
+    reprefilled: int = 0           # of those, positions queued again by rewrite()
     logits: list = dataclasses.field(default_factory=list)   # [V] per sampled token, if kept
+    constraint: object = None      # a constrain.Constraint on what it may sample, or None
+    state: object = None           # its constraint's state, advanced by every sampled token
 
     @property
     def cached(self):              # positions whose K/V is in the cache
@@ -71,7 +89,9 @@ class Batch:
     temperature == 0, else temperature and top_k (0: all tokens), one stream per sequence.
     cache=False re-reads a whole episode at every resume (for comparison). prefill_rows and
     buckets fix the prefill shapes (R rows x T tokens, T from buckets). keep_logits records
-    each sampled token's logits (tests).
+    each sampled token's logits (tests). A sequence added with a constraint samples only what its
+    mask allows: the decode step then gets a [B, V] mask (all True in the other rows); with no
+    constrained sequence running it gets none, and runs exactly as before.
     """
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
@@ -130,16 +150,34 @@ class Batch:
     def total_positions(self):
         return sum(s.positions for s in self.seqs.values())
 
+    @property
+    def reprefilled(self):
+        return {i: s.reprefilled for i, s in self.seqs.items()}
+
+    @property
+    def total_reprefilled(self):
+        return sum(s.reprefilled for s in self.seqs.values())
+
+    def fits(self, n_tokens, limit):
+        """Whether a sequence of n_tokens may sample `limit` more: within max_len and within the cache's pages."""
+        n = n_tokens + limit
+        return n <= self.max_len and pages_for(n - 1, self.page_size) <= self.pool.n_pages - 1
+
     # ------------------------------------------------------------ the caller's moves
 
-    def add(self, prompt_tokens, limit, *, seed=None):
-        """A new sequence, queued; returns its id. `seed` picks its sampling stream (default: from its id)."""
+    def add(self, prompt_tokens, limit, *, seed=None, constraint=None):
+        """A new sequence, queued; returns its id. `seed` picks its sampling stream (default: from its id).
+        `constraint` (a constrain.Constraint) masks every token it samples from here on, starting at
+        constraint.start(): its whole answer is constrained."""
+        if constraint is not None and constraint.n_vocab != self.cfg.vocab_size:
+            raise ValueError(f"the constraint masks {constraint.n_vocab} tokens, the model has {self.cfg.vocab_size}")
         prompt = self._check(list(prompt_tokens), 0, limit)
         if not prompt:
             raise ValueError("empty prompt: a sequence needs at least one token to predict from")
         id = len(self.seqs)
         seed = (self.seed * 1_000_003 + id) % 2**31 if seed is None else seed
-        self.seqs[id] = Sequence(id, tokens=prompt, pending=list(prompt), limit=limit, seed=seed)
+        self.seqs[id] = Sequence(id, tokens=prompt, pending=list(prompt), limit=limit, seed=seed, constraint=constraint,
+                                 state=None if constraint is None else constraint.start())
         self.queue.append(id)
         return id
 
@@ -156,6 +194,53 @@ class Batch:
             seq.pending = list(seq.tokens)
         seq.limit, seq.status = limit, "queued"
         self.queue.append(id)
+
+    def rewrite(self, id, tokens, limit):
+        """Replace the whole token list of a paused, stopped or length-limited sequence; -> positions to push.
+
+        The cached K/V of the longest common prefix of its cached tokens and `tokens`
+        stays (at most len(tokens) - 1 positions: the last token is always pending, for
+        the decode step to sample from); the pages past it go back to the pool. A page
+        holding kept positions and later ones stays, and its later positions are
+        overwritten. With page_size 4, cached [u a b c | d e r1 r2 | r3]:
+
+            rewrite(id, [u a b c | d e N], limit)   keeps 6 positions and 2 pages,
+                                                    returns 1: N is pushed, then sampling goes on
+
+        Without a cache (cache=False) everything is pushed again.
+        """
+        seq = self.seqs[id]
+        if seq.status not in CAN_RESUME:
+            raise ValueError(f"sequence {id} is {seq.status}; only {'/'.join(CAN_RESUME)} sequences are rewritten")
+        tokens = self._check(list(tokens), 0, limit)
+        if not tokens:
+            raise ValueError("empty rewrite: a sequence needs at least one token to predict from")
+        keep = 0
+        if self.use_cache:
+            for old, new in zip(seq.tokens[:min(seq.cached, len(tokens) - 1)], tokens):
+                if old != new:
+                    break
+                keep += 1
+        self._release(seq, keep=pages_for(keep, self.page_size))
+        seq.tokens, seq.pending = tokens, tokens[keep:]
+        seq.limit, seq.status = limit, "queued"
+        seq.reprefilled += len(seq.pending)
+        self.queue.append(id)
+        return len(seq.pending)
+
+    def park(self, id):
+        """Give a paused, stopped or length-limited sequence's slot back, keeping its pages (its cache).
+
+        For a sequence that will wait long. A later resume() or rewrite() queues it for a
+        slot again; it then gets whichever row is free, and its page table row is rebuilt.
+        """
+        seq = self.seqs[id]
+        if seq.status not in CAN_RESUME:
+            raise ValueError(f"sequence {id} is {seq.status}; only {'/'.join(CAN_RESUME)} sequences are parked")
+        if seq.slot is not None:
+            self.page_table_BxM[seq.slot] = NULL_PAGE
+            self.slot_seq[seq.slot] = None
+            seq.slot = None
 
     def finish(self, id):
         """Give the sequence's pages and slot back; its tokens stay readable."""
@@ -290,9 +375,17 @@ class Batch:
             (tokens_B[seq.slot],) = seq.pending
             lengths_B[seq.slot], active_B[seq.slot], seeds_B[seq.slot] = seq.cached, True, seq.seed
         W = self._width(int(lengths_B.max()) + 1)                       # the new token sits at `cached`
+        # No constraint: the call (and so its compiled step) is the plain one; jit would retrace for
+        # a keyword passed as None. A constraint: a [B, V] mask, all True in unconstrained rows.
+        mask = {}
+        if any(seq.constraint is not None for seq in running):
+            mask["allowed_BxV"] = np.ones((B, self.cfg.vocab_size), bool)
+            for seq in running:
+                if seq.constraint is not None:
+                    mask["allowed_BxV"][seq.slot] = seq.constraint.allowed(seq.state)
         next_B, logits_BxV, self.kv = self._run(decode.decode_step, tokens_B, lengths_B, active_B,
                                                 self.page_table_BxM[:, :W], seeds_B,
-                                                temperature=self.temperature, top_k=self.top_k)
+                                                temperature=self.temperature, top_k=self.top_k, **mask)
         next_B = np.asarray(next_B)    # the one device -> host sync of the step
         logits_BxV = np.asarray(logits_BxV) if self.keep_logits else None
         self.steps += 1
@@ -304,6 +397,8 @@ class Batch:
             seq.tokens.append(token)
             seq.pending = [token]
             seq.limit -= 1
+            if seq.constraint is not None:
+                seq.state = seq.constraint.advance(seq.state, token)
             if self.keep_logits:
                 seq.logits.append(logits_BxV[seq.slot])
             if token in self.pause_tokens:

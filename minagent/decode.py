@@ -113,6 +113,15 @@ def sample(logits_BxV, seq_seed_B, position_B, temperature=0.0, top_k=0):
     return jax.vmap(jax.random.categorical)(keys_B, logits_BxV).astype(jnp.int32)
 
 
+def mask_logits(logits_BxV, allowed_BxV):
+    """Disallowed tokens get logit -inf, so neither argmax nor a draw can pick them.
+
+    A row that allows nothing is left as it is (all allowed): softmax over all -inf is NaN.
+    """
+    allowed_BxV = allowed_BxV | ~allowed_BxV.any(axis=-1, keepdims=True)
+    return jnp.where(allowed_BxV, logits_BxV, -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_step(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_RxM):
     """extend over R rows of T tokens -> the updated cache (the logits are not needed: XLA drops them)."""
@@ -123,15 +132,18 @@ def prefill_step(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_Rx
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k"), donate_argnames=("cache",))
 def decode_step(params, cfg, cache, tokens_B, lengths_B, active_B, page_table_BxM, seeds_B,
-                temperature=0.0, top_k=0):
+                temperature=0.0, top_k=0, allowed_BxV=None):
     """Push each active slot's one pending token, sample the next -> (next_B, logits_BxV, cache).
 
     active_B is the pause mask: slots that are paused, finished or free push
     nothing (their n_new is 0) and their cache pages are left untouched.
     The sampled token sits at position lengths_B + 1.
+    allowed_BxV (bool, optional: constrain.py's token masks) limits what each row may sample;
+    None compiles the step without it. The returned logits are the model's, unmasked.
     """
     TRACES["decode", tokens_B.shape, page_table_BxM.shape] += 1
     n_new_B = active_B.astype(jnp.int32)
     logits_BxV, cache = extend(params, cfg, cache, tokens_B[:, None], lengths_B, n_new_B, page_table_BxM)
-    next_B = sample(logits_BxV, seeds_B, lengths_B + 1, temperature, top_k)
+    masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
+    next_B = sample(masked_BxV, seeds_B, lengths_B + 1, temperature, top_k)
     return next_B, logits_BxV, cache

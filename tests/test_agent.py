@@ -1,18 +1,28 @@
 """The agent loop: the design documents' baseline test, budgets, and no recompilation.
 
-    pytest tests/test_agent.py
+    /work/venv/bin/python -m pytest tests/test_agent.py -q      # about 80 s on 2 CPU cores
 
 The baseline: a tiny two-layer model trained on a single trace until it knows
 it by heart replays it identically in the loop (call, result and answer
 included), with and without the cache.
+
+Context fitting and sub-agents run on a rote model (`rote_model`): a transformer
+whose weights make it write a fixed script, so the episodes are known exactly.
+A view that clears old results must reuse the cache of everything before the
+first cleared one; the stored history must keep everything; a budget no view
+fits ends with the refusal; past max_len an episode ends, it does not raise.
 """
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from minagent import agent, chat, missions, model, train
+from minagent import context as cx
 from minagent import tokenizer as tk
+from minagent.context import Message
 from minagent.tools import Toolbox
 
 FMT = chat.MINAGENT
@@ -85,3 +95,189 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
         runs = np.diff(np.flatnonzero(np.diff(np.r_[0, r.authors, 0])))[::2]
         assert runs.max(initial=0) <= 12
     assert {r.status for r in warm + records} >= {"stretch"}
+
+
+# ---------------------------------------------------------------- a model that writes by rote
+
+@pytest.fixture(scope="module")
+def stok():
+    """A tokenizer in which "delegate" is a few distinct pieces (a rote model needs distinct tokens)."""
+    text = "\n".join(chat.text(m.trace) for m in missions.generate(300, seed=0))
+    return tk.train(text + " delegate" * 300, vocab_size=400, specials=tk.MINAGENT_SPECIALS)
+
+
+def rote_model(tok, *scripts):
+    """Params of a transformer that, greedily, writes after token a the token that follows a in `scripts`.
+
+    The layers add nothing (their output projections are zero), so the last position's logits
+    depend on its token only: token a is embedded as the one-hot of its state s(a), and the head
+    maps state s(a) to the token that follows a. rote_model(tok, "<|assistant|>ok<|end|>") answers
+    "ok<|end|>" to any prompt that ends with <|assistant|>. It runs through the real Batch, cache
+    and decode step, so the loop can be tested on exact, known episodes.
+    """
+    rules = {}
+    for script in scripts:
+        ids = tok.encode(script)
+        for a, b in zip(ids, ids[1:]):
+            assert rules.setdefault(a, b) == b, f"{tok.decode([a])!r} is followed by two different tokens"
+    D = 16                                          # one config for every script: its steps compile once
+    assert len(rules) < D, "a state per rule, and state 0"
+    cfg = model.Config(vocab_size=tok.n_vocab, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8,
+                       tie_embeddings=False)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    layers = dict(params["layers"], wo=0 * params["layers"]["wo"], w_down=0 * params["layers"]["w_down"])
+    state = {a: s for s, a in enumerate(rules, 1)}                  # state 0: every other token
+    embed_VxD = np.zeros((cfg.vocab_size, D), np.float32)
+    embed_VxD[np.arange(cfg.vocab_size), [state.get(a, 0) for a in range(cfg.vocab_size)]] = 1
+    unembed_DxV = np.zeros((D, cfg.vocab_size), np.float32)
+    for a, b in rules.items():
+        unembed_DxV[state[a], b] = 10.0
+    return dict(params, layers=layers, embed=jax.numpy.asarray(embed_VxD),
+                unembed=jax.numpy.asarray(unembed_DxV)), cfg
+
+
+def part(n):
+    """A long tool result (184 tokens for stok): long enough to be worth clearing."""
+    return f"part {n}: " + " ".join(str(100 + 7 * j) for j in range(60))
+
+
+class Parts:
+    """A toolbox whose n-th call returns part(n), whatever the call."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, call):
+        self.n += 1
+        return part(self.n)
+
+
+def test_rote_model_writes_its_script(stok):
+    params, cfg = rote_model(stok, "<|assistant|>ok<|end|>")
+    (r,), batch = agent.run(params, cfg, stok, FMT, ["Hi."], [Toolbox(0)], slots=1, max_len=256)
+    assert (r.status, r.answer, r.calls, r.depth) == ("done", "ok", [], 0)
+    assert r.history == (Message("first", "Hi."), Message("model", "ok<|end|>"))
+
+
+def test_delegate_answer_becomes_the_result(stok):
+    """A root episode delegates; its sub-agent answers; the answer is the root's tool result.
+
+    One slot: the root must give it up (park) while it waits, or the sub-agent could never run.
+    """
+    params, cfg = rote_model(stok, "<|call|>delegate sum<|result|>", "<|assistant|>ok<|end|>")
+    prompt = chat.Segment(chat.PROGRAM, "<|user|>Add up.<|assistant|><|call|>")   # the model goes on from <|call|>
+    (r,), batch = agent.run(params, cfg, stok, FMT, [prompt], [Toolbox(0)], slots=1, max_len=256,
+                            system=cx.INSTRUCTIONS)
+    assert (r.status, r.answer, r.calls) == ("done", "ok", [("delegate sum", "ok")])
+    (sub,) = r.subagents
+    assert (sub.status, sub.answer, sub.depth, sub.calls) == ("done", "ok", 1, [])
+    assert sub.history[0] == Message("first", "sum")                 # its only user message: the brief
+    assert list(sub.tokens) == stok.encode(chat.prompt(FMT, "sum", system=cx.INSTRUCTIONS).text + "ok<|end|>")
+    assert list(r.tokens) == stok.encode(prompt.text + "delegate sum<|result|>ok<|assistant|>ok<|end|>")
+    assert list(agent.every_record([r])) == [r, sub]
+    assert batch.pool.n_free == batch.pool.n_pages - 1
+
+
+def test_delegation_limits(stok):
+    """An agent that always delegates: sub-agents cannot delegate (depth 1), and a root starts at most two."""
+    params, cfg = rote_model(stok, "<|assistant|><|call|>delegate sum<|result|>")
+    (r,), batch = agent.run(params, cfg, stok, FMT, ["Add up."], [Toolbox(0)], slots=2, max_len=256,
+                            max_calls=3, max_subagents=2)
+    depth_error = agent.delegation("delegate sum", 1, 0)[1]
+    assert r.status == "calls" and len(r.subagents) == 2
+    for sub in r.subagents:
+        assert sub.status == "calls" and sub.calls == [("delegate sum", depth_error)] * 3
+    assert [result for _, result in r.calls] == [agent.subagent_result(r.subagents[0])] * 2 + [
+        agent.delegation("delegate sum", 0, 2, max_subagents=2)[1]]
+    assert all(result.startswith("error: ") for _, result in r.calls)
+    assert batch.pool.n_free == batch.pool.n_pages - 1
+
+
+def test_delegation_rule():
+    assert agent.delegation("delegate read ch01 ", 0, 0) == ("read ch01", None)
+    assert agent.delegation("add 2 3", 0, 0) == (None, None)                    # the toolbox's call
+    assert agent.delegation("delegate x", 1, 0)[1].startswith("error: ")       # depth limit
+    assert agent.delegation("delegate x", 1, 0, max_depth=2) == ("x", None)
+    assert agent.delegation("delegate x", 0, 8)[1].startswith("error: ")       # 8 already started
+    assert agent.delegation("delegate", 0, 0)[1].startswith("error: ")         # no brief
+    assert agent.delegation("delegate say <|end|>", 0, 0) == ("say < |end|>", None)   # no special smuggled
+    done = agent.Record("done", "42", [], np.zeros(0), np.zeros(0), 0)
+    refused = dataclasses.replace(done, status="refused", answer=cx.REFUSAL_MESSAGE)
+    assert agent.subagent_result(done) == "42"
+    assert agent.subagent_result(refused) == cx.REFUSAL_MESSAGE
+    assert agent.subagent_result(dataclasses.replace(done, status="stretch")).startswith("error: ")
+
+
+def test_opening():
+    assert agent.opening(FMT, "Hi.") == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
+    assert agent.opening(FMT, "Hi.", system="Be brief.")[1] == chat.prompt(FMT, "Hi.", system="Be brief.")
+    assert agent.opening(FMT, chat.prompt(FMT, "Hi."), system="ignored") == (Message("first", "Hi."),
+                                                                             chat.prompt(FMT, "Hi."))
+
+
+# ---------------------------------------------------------------- context fitting in the loop
+
+READER = "<|assistant|><|call|>cat x<|result|>"     # reads part after part, forever
+
+
+def refills_by_messages(history, budget, count, fitter, render):
+    """The loop's refills, recomputed message by message (a slow reference for its token-level reuse).
+
+    After each result the new view is compared with what the sequence held: the last view and
+    the model's call after it. A view that is not an extension of it is pushed again from its
+    first changed message on; everything before that message is reused.
+    """
+    total, held = 0, history[:1]
+    for j in range(len(history)):
+        if history[j].kind != "result":
+            continue
+        before, view = held + (history[j - 1],), fitter(history[:j + 1], budget, count).view
+        if view[:len(before)] != before:
+            i = next(k for k, (a, b) in enumerate(zip(before, view)) if a != b)
+            total += len(render(view)) - len(render(view[:i]))
+        held = view
+    return total
+
+
+def test_fitting_clears_old_results_reuses_the_prefix_and_keeps_the_history(stok):
+    params, cfg = rote_model(stok, READER)
+    kw = dict(slots=2, max_len=1024, max_calls=8)
+    (plain,), _ = agent.run(params, cfg, stok, FMT, ["Read every part."], [Parts()], **kw)
+    (fitted,), batch = agent.run(params, cfg, stok, FMT, ["Read every part."], [Parts()], budget=800, **kw)
+
+    # Without a budget the episode outgrows max_len: it ends, and loses nothing (the history has every result).
+    assert plain.status == "max_len" and (plain.refills, plain.view_steps) == (0, [])
+    assert [m.text for m in plain.history if m.kind == "result"] == [r for _, r in plain.calls]
+    render = lambda view: list(chat.render(cx.render_view(view, FMT), stok)[0])   # noqa: E731
+    assert list(plain.tokens) == render(plain.history[:-1])                 # all but the result that did not fit
+
+    # With a budget of 800 the oldest results are cleared four at a time (the counts above the test).
+    count = cx.exact_counter(stok, FMT)
+    assert fitted.status == "calls" and fitted.view_steps == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert fitted.history[:len(plain.history)] == plain.history               # the stored history: everything
+    assert fitted.refills == refills_by_messages(fitted.history, 800, count, cx.fit, render) > 0
+    last = cx.fit(fitted.history[:-1], 800, count).view                       # the last view sent
+    sent_tokens, sent_authors = chat.render(cx.render_view(last + fitted.history[-1:], FMT), stok)
+    np.testing.assert_array_equal(fitted.tokens, sent_tokens)              # the record holds the last view
+    np.testing.assert_array_equal(fitted.authors, sent_authors)            # and who wrote each of its tokens
+    assert fitted.positions == batch.positions[max(batch.seqs)] and batch.pool.n_used == 0
+
+
+@pytest.mark.parametrize("fitting", ["fit", "old"])
+def test_refusal_is_final(stok, fitting):
+    """A budget no view fits: the first result ends the episode with the refusal message."""
+    params, cfg = rote_model(stok, READER)
+    (r,), batch = agent.run(params, cfg, stok, FMT, ["Read every part."], [Parts()], slots=1, max_len=512,
+                            budget=20, fitting=fitting)
+    assert (r.status, r.answer, r.view_steps, len(r.calls)) == ("refused", cx.REFUSAL_MESSAGE, [cx.REFUSED], 1)
+    assert r.history[-1] == Message("result", part(1)) and batch.pool.n_used == 0
+
+
+def test_old_trimming_refuses_a_single_turn_that_fit_finishes(stok):
+    """The SPEC's sub-agent in miniature: one user message, nowhere for the old trimming to cut."""
+    params, cfg = rote_model(stok, READER)
+    kw = dict(slots=2, max_len=1024, max_calls=8, budget=800)
+    (old,), _ = agent.run(params, cfg, stok, FMT, ["Read every part."], [Parts()], fitting="old", **kw)
+    (new,), _ = agent.run(params, cfg, stok, FMT, ["Read every part."], [Parts()], fitting="fit", **kw)
+    assert old.status == "refused" and old.view_steps == [0, 0, 0, 0, cx.REFUSED]
+    assert new.status == "calls" and len(new.calls) == 8

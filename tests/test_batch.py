@@ -196,6 +196,8 @@ op = st.one_of(
     step_op, step_op,
     st.tuples(st.just("resume"), st.integers(0, 50), st.integers(0, 8), st.integers(1, 10)),
     st.tuples(st.just("resume"), st.integers(0, 50), st.integers(0, 8), st.integers(1, 10)),
+    st.tuples(st.just("rewrite"), st.integers(0, 50), st.integers(0, 40), st.integers(0, 8), st.integers(1, 10)),
+    st.tuples(st.just("park"), st.integers(0, 50)),
     st.tuples(st.just("finish"), st.integers(0, 50)),
 )
 
@@ -243,6 +245,23 @@ def play(schedule, use_cache):
             if i is not None and len(batch.tokens(i)) + o[2] + o[3] <= MAX_LEN:
                 batch.resume(i, [5 + (i + j) % 30 for j in range(o[2])], o[3])
                 stretch[i] = (0, o[3])
+        elif o[0] == "rewrite":            # keep a prefix of the tokens, then new ones
+            waiting = [i for i in ids if batch.status(i) in ("paused", "stopped", "length")]
+            i = waiting[o[1] % len(waiting)] if waiting else None
+            if i is not None:
+                old = batch.tokens(i)
+                new = old[:o[2]] + [5 + (i + j) % 30 for j in range(o[3])]
+                if new and len(new) + o[4] <= MAX_LEN:
+                    shared = next((j for j, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+                    cached = len(old) - len(batch.seqs[i].pending)
+                    keep = min(shared, cached, len(new) - 1) if use_cache else 0
+                    assert batch.rewrite(i, new, o[4]) == len(new) - keep
+                    assert len(batch.pages(i)) == pages_for(keep, S)
+                    stretch[i] = (0, o[4])
+        elif o[0] == "park":
+            waiting = [i for i in ids if batch.status(i) in ("paused", "stopped", "length")]
+            if waiting:
+                batch.park(waiting[o[1] % len(waiting)])
         elif o[0] == "finish" and ids:
             batch.finish(ids[o[1] % len(ids)])
         check_invariants(batch)
@@ -255,5 +274,6 @@ def play(schedule, use_cache):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(add_op, min_size=1, max_size=5), st.lists(op, min_size=10, max_size=40))
 def test_random_schedules(adds, schedule):
-    """Any schedule: no exception, no leaked page, limits kept, and the same tokens with and without cache."""
+    """Any schedule of add, step, resume, rewrite, park and finish: no exception, no leaked page, limits kept,
+    and the same tokens with and without cache."""
     assert play(adds + schedule, True) == play(adds + schedule, False)

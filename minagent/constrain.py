@@ -1,0 +1,277 @@
+"""Constrained decoding: a token mask under which the model can only write a call that shop.validate accepts.
+
+The grammar is the call as shop_data.gold_json writes it, one character at a time:
+
+    {"tool": "refund", "args": {"order_id": "A1234", "amount": 240.5}}<end>
+    ..........NNNNNN.........................OOOOO.............AAAAA..
+    . literal text   N the tool's NAME   O an ORDER number   A an AMOUNT   (and T, free TEXT)
+
+`program(tool)` lists these pieces, derived from shop.TOOLS (the argument names
+and their order) and the rules of shop._bad_arg (order_id and amount have
+their own kinds, every other argument is free TEXT). A state is a small tuple
+
+    (tool, piece index, sub-state)      e.g. ("refund", 5, (3, 1, True)) after '..."amount": 240.5'
+
+where the sub-state is how far the current piece has got: chars matched of a
+literal, the tool-name prefix, the length of a text, (integer digits, decimals
+or -1 before the dot, a nonzero digit seen) of an amount. `step(state, ch)` is
+the automaton's one move; it returns None when no valid call starts that way.
+No state is a dead end: from every state `step` can reach, a call can be finished
+(tests/test_constrain.py walks them all).
+
+Stricter than validate, never looser: the canonical spacing only, printable
+ASCII without quote or backslash in texts (1 to MAX_TEXT chars, the first not a
+space, so that validate's value.strip() is non-empty), amounts 1-4 integer digits
+without a leading zero and at most 2 decimals, not zero (so at most 9999.99,
+where validate allows up to shop.MAX_AMOUNT = 10000).
+
+Token level. There are a few hundred states and 95 characters, so we tabulate
+the automaton once (next_SxC) and a mask is a vectorised walk of every token's
+characters through that table: `Constraint.allowed(state)` is the tokens whose
+every char keeps the call viable (memoised per state), plus the end token once
+the call is done. Special tokens, and tokens with a byte outside printable ASCII,
+are never allowed.
+
+    c = Constraint(tok, end_id=tok.special("<|im_end|>"))
+    state = c.start()
+    mask_V = c.allowed(state)            # bool [V]: the tokens that may come next
+    state = c.advance(state, token)      # after the model sampled one of them
+    c.done(state)                        # True once the closing brace is written
+"""
+
+import functools
+
+import numpy as np
+
+from minagent import shop
+
+OPEN = '{"tool": "'
+NAME, TEXT, ORDER, AMOUNT = range(4)        # the pieces that are not literal text (a literal is a str)
+KIND = {"order_id": ORDER, "amount": AMOUNT}  # every other argument is free text, as in shop._bad_arg
+MAX_TEXT = 60
+ALPHABET = "".join(chr(c) for c in range(0x20, 0x7F))    # printable ASCII: every char the grammar can accept
+TEXT_CHARS = frozenset(ALPHABET) - set('"\\')            # no escapes inside a JSON string: none needed
+DIGITS = "0123456789"
+START = (None, 0, 0)                         # no tool yet, piece 0 (the literal OPEN), 0 chars of it
+
+
+@functools.cache
+def program(tool):
+    """The pieces of a call, in order. Before the name is complete only the first two are known:
+
+    program(None)     -> ('{"tool": "', NAME)
+    program("refund") -> ('{"tool": "', NAME, '", "args": {"order_id": "', ORDER, '", "amount": ', AMOUNT, '}}')
+    """
+    if tool is None:
+        return (OPEN, NAME)
+    pieces, text = [OPEN, NAME], '", "args": {'
+    for i, name in enumerate(shop.TOOLS[tool]):
+        kind = KIND.get(name, TEXT)
+        quote = "" if kind == AMOUNT else '"'     # an amount is a JSON number, the rest are strings
+        pieces += [text + (", " if i else "") + f'"{name}": ' + quote, kind]
+        text = quote
+    return tuple(pieces + [text + "}}"])
+
+
+def _start(piece):
+    return "" if piece == NAME else (0, -1, False) if piece == AMOUNT else 0
+
+
+def _eat_amount(sub, ch):
+    """A JSON number in (0, 9999.99]: 1-4 digits without a leading zero, then maybe "." and 1-2 digits.
+
+    sub = (integer digits, decimals or -1 before the dot, a nonzero digit seen). "0.0" may only
+    go on with 1-9: "0.00" could not end (zero is no amount), and no state may be a dead end.
+    """
+    n_int, n_frac, nonzero = sub
+    if ch == ".":
+        return (n_int, 0, nonzero) if n_int and n_frac == -1 else None
+    if ch not in DIGITS:
+        return None
+    if n_frac == -1:
+        if n_int == 0:
+            return (1, -1, ch != "0")
+        return (n_int + 1, -1, True) if nonzero and n_int < 4 else None     # "05" has a leading zero
+    if n_frac == 2 or (n_frac == 1 and not nonzero and ch == "0"):
+        return None
+    return (n_int, n_frac + 1, nonzero or ch != "0")
+
+
+def _eat(piece, sub, ch):
+    """The piece's sub-state after ch, or None if ch cannot come next inside this piece."""
+    if isinstance(piece, str):                   # a literal: exactly its next char
+        return sub + 1 if sub < len(piece) and piece[sub] == ch else None
+    if piece == NAME:                            # a prefix of a tool name
+        return sub + ch if any(t.startswith(sub + ch) for t in shop.TOOLS) else None
+    if piece == TEXT:                            # inside a JSON string: 1-60 chars, the first not a space
+        return sub + 1 if ch in TEXT_CHARS and sub < MAX_TEXT and (sub or ch != " ") else None
+    if piece == ORDER:                           # "A" and 4 digits, inside the quotes
+        return sub + 1 if (ch == "A" if sub == 0 else sub < 5 and ch in DIGITS) else None
+    return _eat_amount(sub, ch)
+
+
+def _can_end(piece, sub):
+    if isinstance(piece, str):
+        return sub == len(piece)
+    if piece == NAME:
+        return sub in shop.TOOLS
+    if piece == TEXT:
+        return sub >= 1
+    if piece == ORDER:
+        return sub == 5
+    n_int, n_frac, nonzero = sub
+    return n_int >= 1 and n_frac != 0 and nonzero
+
+
+def step(state, ch):
+    """The state after writing ch, or None if no valid call starts with the text so far plus ch.
+
+    The grammar is deterministic: a piece never accepts the char that starts the piece after it
+    (a text cannot hold '"', an amount cannot hold ',' or '}'), so ch either continues the current
+    piece or, if that piece can end, starts the next one.
+    """
+    tool, i, sub = state
+    piece = program(tool)[i]
+    new = _eat(piece, sub, ch)
+    if new is not None:
+        return (tool, i, new)
+    if not _can_end(piece, sub):
+        return None
+    if piece == NAME:
+        tool = sub                               # the name is complete: now the rest is known
+    pieces = program(tool)
+    if i + 1 == len(pieces):                     # the closing brace is written: nothing may follow
+        return None
+    new = _eat(pieces[i + 1], _start(pieces[i + 1]), ch)
+    return None if new is None else (tool, i + 1, new)
+
+
+def done(state):
+    """True once the whole call is written (its last piece, '}}', is complete)."""
+    tool, i, sub = state
+    return tool is not None and i == len(program(tool)) - 1 and _can_end(program(tool)[i], sub)
+
+
+def walk(text, state=START):
+    """The state after writing `text` from `state`, or None if it leaves the grammar."""
+    for ch in text:
+        state = step(state, ch)
+        if state is None:
+            return None
+    return state
+
+
+def max_chars():
+    """The longest call the grammar allows, in chars: a limit of max_chars() + 1 tokens always lets it finish."""
+    longest = {NAME: max(map(len, shop.TOOLS)), TEXT: MAX_TEXT, ORDER: 5, AMOUNT: len("9999.99")}
+    return max(sum(len(p) if isinstance(p, str) else longest[p] for p in program(t)) for t in shop.TOOLS)
+
+
+@functools.cache
+def tabulate():
+    """Every state reachable from START, numbered breadth-first, and the table of moves.
+
+    -> (states, next_SxC) with next_SxC[s, c] the number of the state after ALPHABET[c] from state s,
+    or S = len(states) for "dead". Row S is dead (it stays dead) and column C = len(ALPHABET) is
+    padding, which leaves every state where it is (tokens shorter than the longest one end with it).
+    """
+    states, number, rows = [START], {START: 0}, []
+    for s in states:                             # `states` grows while we go through it
+        row = []
+        for ch in ALPHABET:
+            t = step(s, ch)
+            if t is not None and t not in number:
+                number[t] = len(states)
+                states.append(t)
+            row.append(-1 if t is None else number[t])
+        rows.append(row)
+    S, C = len(states), len(ALPHABET)
+    next_SxC = np.full((S + 1, C + 1), S, np.int32)
+    next_SxC[:S, :C] = np.where(np.array(rows) < 0, S, np.array(rows))
+    next_SxC[:, C] = np.arange(S + 1)
+    return tuple(states), next_SxC
+
+
+class Constraint:
+    """The call grammar over a tokenizer's vocabulary. States are the tuples of `step`.
+
+    tok: a tokenizer.Tokenizer. end_id: the token that ends the answer (SmolLM2: <|im_end|>).
+    n_vocab: the mask's length, the model's vocabulary (default tok.n_vocab; ids past the
+    tokenizer's are never allowed).
+    """
+
+    def __init__(self, tok, end_id, n_vocab=None):
+        self.end_id, self.n_vocab = end_id, n_vocab or tok.n_vocab
+        special = set(tok.specials.values())
+        # id -> its text if every byte is printable ASCII, else None (never allowed)
+        self.texts = [None if i in special or not p or any(b < 0x20 or b > 0x7E for b in p) else p.decode("ascii")
+                      for i, p in enumerate(tok.pieces)]
+        self.states, self.next_SxC = tabulate()
+        self.number = {s: n for n, s in enumerate(self.states)}
+        # The usable tokens, longest first, as columns of char numbers: chars_LxU[j, u] is the j-th char
+        # of token ids_U[u] (C = padding). At column j only the first n_at_L[j] tokens are still long enough.
+        ids = sorted((i for i, t in enumerate(self.texts) if t), key=lambda i: -len(self.texts[i]))
+        self.ids_U = np.array(ids, np.int64)
+        L, C, column = len(self.texts[ids[0]]), len(ALPHABET), {ch: c for c, ch in enumerate(ALPHABET)}
+        self.chars_LxU = np.full((L, len(ids)), C, np.int32)
+        for u, i in enumerate(ids):
+            self.chars_LxU[:len(self.texts[i]), u] = [column[ch] for ch in self.texts[i]]
+        lengths_U = np.array([len(self.texts[i]) for i in ids])
+        self.n_at_L = np.array([(lengths_U > j).sum() for j in range(L)])
+        self._masks = {}                         # state number -> bool [n_vocab]
+
+    def start(self):
+        return START
+
+    def done(self, state):
+        return done(state)
+
+    def allowed(self, state):
+        """bool [n_vocab]: the tokens that may come next. Memoised per state (a few hundred states)."""
+        n = self.number[state]
+        if n not in self._masks:
+            self._masks[n] = self._build(n)
+        return self._masks[n]
+
+    def _build(self, n):
+        """Walk all usable tokens through the table at once, one char column at a time."""
+        S = len(self.states)
+        at_U = np.full(len(self.ids_U), n, np.int32)
+        for j, n_long in enumerate(self.n_at_L):
+            at_U[:n_long] = self.next_SxC[at_U[:n_long], self.chars_LxU[j, :n_long]]
+        mask_V = np.zeros(self.n_vocab, bool)
+        mask_V[self.ids_U] = at_U != S
+        mask_V[self.end_id] = done(self.states[n])
+        return mask_V
+
+    def advance(self, state, token):
+        """The state after the model wrote `token`; ValueError if the mask did not allow it.
+        After the call is done the only token allowed is the end token, and it leaves the state as is."""
+        if token == self.end_id and done(state):
+            return state
+        text = self.texts[token] if token < len(self.texts) and token != self.end_id else None
+        new = None if text is None else walk(text, state)
+        if new is None:
+            raise ValueError(f"token {token} ({text!r}) is not allowed in state {state}")
+        return new
+
+
+def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, limit=None, temperature=0.0,
+            seed=0, page_size=16):
+    """Decode one answer per prompt text through a Batch -> [answer text, without the end token].
+
+    constraint=None: free decoding. With a Constraint every answer is a valid call, and the
+    default limit (max_chars() + 1 tokens: every token writes at least one char) lets it finish.
+    """
+    from minagent.batch import Batch
+
+    limit = limit or max_chars() + 1
+    ids = [tok.encode(p) for p in prompts]
+    max_len = max(map(len, ids)) + limit
+    slots = min(slots, len(ids))
+    batch = Batch(params, cfg, slots=slots, n_pages=slots * -(-max_len // page_size) + 1, page_size=page_size,
+                  max_len=max_len, stop_tokens=(end_id,), temperature=temperature, seed=seed)
+    seqs = [batch.add(p, limit, constraint=constraint) for p in ids]
+    while batch.running():
+        batch.step()
+    return [tok.decode([t for t in batch.tokens(s)[len(p):] if t != end_id]) for s, p in zip(seqs, ids)]

@@ -1,0 +1,223 @@
+"""Constrained decoding (minagent/constrain.py): whatever the logits, an answer sampled under the mask is a
+call that shop.validate accepts; and the mask forbids no gold answer.
+
+    /work/venv/bin/python -m pytest tests/test_constrain.py -q      # about 30 s on 2 CPU cores
+
+The tokenizer is trained in-process on a few gold calls and some prose (hermetic, no GGUF file);
+the models are tiny with random weights.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minagent import constrain, decode, model, shop, shop_data
+from minagent import tokenizer as tk
+from minagent.batch import Batch
+from minagent.cache import init_cache
+
+PROSE = ("Where is my order? The shop is open on Monday. Please refund the amount, thanks! "
+         "Can you book a repair for my bike on Friday? I am not sure what I need. ") * 20
+GOLD = [shop_data.gold_json(r) for r in shop_data.train_set(50)]
+TOK = tk.train(PROSE + "\n".join(GOLD), vocab_size=400)
+END = TOK.special("<|end|>")
+C = constrain.Constraint(TOK, END)
+
+
+def all_requests():
+    return shop_data.train_set(500) + shop_data.test_set(0) + shop_data.seen_test_set(200)
+
+
+# ---------------------------------------------------------------- the automaton
+
+def test_program_follows_gold_json():
+    """The pieces come from shop.TOOLS and spell gold_json's formatting."""
+    assert constrain.program("refund") == ('{"tool": "', constrain.NAME, '", "args": {"order_id": "',
+                                           constrain.ORDER, '", "amount": ', constrain.AMOUNT, "}}")
+    for tool, names in shop.TOOLS.items():
+        values = [p for p in constrain.program(tool)[2:] if not isinstance(p, str)]
+        assert len(values) == len(names)
+
+
+def test_every_gold_answer_is_accepted():
+    """The constraint does not forbid a correct answer: every gold call of every set, char by char and
+    as the tokenizer splits it (the tokens the model is trained to write), ends in a done state."""
+    for req in all_requests():
+        gold = shop_data.gold_json(req)
+        state = constrain.walk(gold)
+        assert state is not None and constrain.done(state), gold
+        state = C.start()
+        for t in TOK.encode(gold):
+            assert C.allowed(state)[t], (gold, TOK.decode([t]))
+            state = C.advance(state, t)
+        assert C.done(state) and C.allowed(state)[END] and C.allowed(state).sum() == 1
+
+
+@pytest.mark.parametrize("text", [
+    '{"tool":"refund", "args": {"order_id": "A1234", "amount": 240}}',      # other spacing: refused
+    '{"tool": "refund", "args": {"amount": 240, "order_id": "A1234"}}',     # other key order: refused
+    '{"tool": "refund", "args": {"order_id": "A123", "amount": 240}}',
+    '{"tool": "refund", "args": {"order_id": "A1234", "amount": 0}}',
+    '{"tool": "refund", "args": {"order_id": "A1234", "amount": 0.00}}',
+    '{"tool": "refund", "args": {"order_id": "A1234", "amount": 012}}',
+    '{"tool": "refund", "args": {"order_id": "A1234", "amount": 10001}}',
+    '{"tool": "refund", "args": {"order_id": "A1234", "amount": 240.}}',
+    '{"tool": "ask_human", "args": {"reason": " "}}',
+    '{"tool": "ask_human", "args": {"reason": ""}}',
+    '{"tool": "delete_account", "args": {}}',
+    '{"tool": "ask_human", "args": {"reason": "x"}} ',
+])
+def test_refuses(text):
+    state = constrain.walk(text)
+    assert state is None or not constrain.done(state)
+
+
+def test_no_dead_ends_and_few_states():
+    """From every reachable state a call can still be finished, so a masked row always has a way out."""
+    states, next_SxC = constrain.tabulate()
+    S = len(states)
+    assert S < 1000
+    can_finish = {s for s in range(S) if constrain.done(states[s])}
+    while True:
+        more = {s for s in range(S) if s not in can_finish and any(t in can_finish for t in next_SxC[s])}
+        if not more:
+            break
+        can_finish |= more
+    assert len(can_finish) == S
+
+
+def test_mask_equals_slow_reference():
+    """The vectorised table walk == walking `step` over each token's chars, in every state."""
+    specials = set(TOK.specials.values())
+    for state in C.states:
+        mask_V = C.allowed(state)
+        for t in range(TOK.n_vocab):
+            if t == END:
+                want = constrain.done(state)
+            elif t in specials:
+                want = False
+            else:
+                try:
+                    text = TOK.piece(t).decode("ascii")
+                except UnicodeDecodeError:
+                    text = None
+                want = bool(text) and text.isprintable() and constrain.walk(text, state) is not None
+            assert mask_V[t] == want, (state, TOK.piece(t))
+
+
+# ---------------------------------------------------------------- sampling under the mask
+
+@functools.cache
+def masked_sampler(temperature):
+    """The decode step's own masking and sampling, jitted (one compile per temperature)."""
+    return jax.jit(lambda logits_BxV, allowed_BxV, seed_B, pos_B: decode.sample(
+        decode.mask_logits(logits_BxV, allowed_BxV), seed_B, pos_B, temperature))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), temperature=st.sampled_from([0.0, 0.3, 1.0, 3.0]),
+       scale=st.sampled_from([1.0, 5.0]), end_bias=st.sampled_from([0.0, 20.0]))
+def test_any_logits_give_a_valid_call(seed, temperature, scale, end_bias):
+    """Random logits (even ones that push hard for the end token): the sampled answer validates,
+    the end token comes only once the call is done, and the answer fits in max_chars() + 1 tokens."""
+    rng = np.random.RandomState(seed % 2**32)
+    sample = masked_sampler(temperature)
+    state, ids = C.start(), []
+    while True:
+        allowed_V = C.allowed(state)
+        assert allowed_V[END] == C.done(state)
+        logits_V = scale * rng.randn(TOK.n_vocab).astype(np.float32)
+        logits_V[END] += end_bias
+        t = int(sample(logits_V[None], allowed_V[None], jnp.array([seed % 2**31]), jnp.array([len(ids)]))[0])
+        assert allowed_V[t]
+        ids.append(t)
+        if t == END:
+            break
+        state = C.advance(state, t)
+    assert len(ids) <= constrain.max_chars() + 1
+    verdict = shop.validate(TOK.decode(ids[:-1]))
+    assert verdict.ok, (TOK.decode(ids[:-1]), verdict)
+
+
+def test_a_row_that_allows_nothing_samples_anything():
+    logits_BxV = jnp.asarray(np.random.RandomState(0).randn(2, 7), jnp.float32)
+    allowed_BxV = np.zeros((2, 7), bool)
+    allowed_BxV[0, 3] = True
+    masked_BxV = decode.mask_logits(logits_BxV, allowed_BxV)
+    assert np.isneginf(masked_BxV[0]).sum() == 6 and np.isfinite(masked_BxV[1]).all()
+    for temperature in (0.0, 1.0):
+        next_B = decode.sample(masked_BxV, jnp.arange(2), jnp.zeros(2, jnp.int32), temperature)
+        assert next_B[0] == 3 and 0 <= next_B[1] < 7
+
+
+# ---------------------------------------------------------------- decode_step and the Batch
+
+def tiny_model(vocab):
+    cfg = model.Config(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    return jax.tree.map(lambda w: 4.0 * w if w.ndim > 1 else w, params), cfg
+
+
+PARAMS, CFG = tiny_model(TOK.n_vocab)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_step_with_everything_allowed_equals_unmasked(temperature):
+    """allowed_BxV all True changes nothing: the same tokens and logits as allowed_BxV=None."""
+    B, M, S = 2, 2, 8
+    table_BxM = np.arange(1, 1 + B * M, dtype=np.int32).reshape(B, M)
+    caches = [init_cache(CFG, 1 + B * M, S) for _ in range(2)]
+    tokens_B, lengths_B, seeds_B = np.array([5, 9], np.int32), np.zeros(B, np.int32), np.array([1, 2], np.int32)
+    for _ in range(6):
+        outs = []
+        for k, allowed in enumerate([None, np.ones((B, CFG.vocab_size), bool)]):
+            next_B, logits_BxV, caches[k] = decode.decode_step(PARAMS, CFG, caches[k], tokens_B, lengths_B,
+                                                               np.ones(B, bool), table_BxM, seeds_B,
+                                                               temperature=temperature, allowed_BxV=allowed)
+            outs.append((np.asarray(next_B), np.asarray(logits_BxV)))
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+        np.testing.assert_array_equal(outs[0][1], outs[1][1])
+        tokens_B, lengths_B = outs[0][0], lengths_B + 1
+
+
+def run(batch):
+    while batch.running():
+        batch.step()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batch_constrained_rows_validate_and_free_rows_unchanged(temperature):
+    """Three constrained sequences and one free one decode together. The constrained answers all
+    validate; the free one writes exactly what it writes in a batch without any constraint."""
+    prompts = [TOK.encode(r.text) for r in shop_data.test_set(0)[:4]]
+    limit = constrain.max_chars() + 1
+    kw = dict(slots=4, n_pages=4 * 4 + 1, page_size=64, max_len=256, stop_tokens=[END], temperature=temperature)
+    batch = Batch(PARAMS, CFG, **kw)
+    ids = [batch.add(p, limit, constraint=C if i < 3 else None) for i, p in enumerate(prompts)]
+    run(batch)
+    for i, p in zip(ids[:3], prompts):
+        answer = batch.tokens(i)[len(p):]
+        assert batch.status(i) == "stopped" and answer[-1] == END and END not in answer[:-1]
+        assert shop.validate(TOK.decode(answer[:-1])).ok, TOK.decode(answer)
+    free = Batch(PARAMS, CFG, **kw)
+    j = free.add(prompts[3], limit, seed=batch.seqs[ids[3]].seed)
+    run(free)
+    assert free.tokens(j) == batch.tokens(ids[3])
+    assert not shop.validate(TOK.decode(free.tokens(j)[len(prompts[3]):])).ok      # free decoding is junk
+
+
+def test_answers_helper():
+    reqs = shop_data.test_set(0)[:3]
+    texts = constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END, C, temperature=1.0)
+    assert all(shop.validate(t).ok for t in texts), texts
+
+
+def test_batch_refuses_a_mask_of_the_wrong_size():
+    batch = Batch(PARAMS, CFG, slots=1, n_pages=8, page_size=16, max_len=64)
+    with pytest.raises(ValueError, match="constraint"):
+        batch.add([1, 2], 4, constraint=constrain.Constraint(TOK, END, n_vocab=TOK.n_vocab + 8))
