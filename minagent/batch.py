@@ -97,7 +97,7 @@ class Batch:
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
                  buckets=(16, 64, 256, 1024), keep_logits=False):
-        self.params, self.cfg = params, cfg
+        self.params, self.cfg = decode.unstack_layers(params), cfg     # a list of layers: read in place
         self.n_slots, self.page_size, self.max_len = slots, page_size, max_len
         self.stop_tokens, self.pause_tokens = frozenset(stop_tokens), frozenset(pause_tokens)
         self.use_cache, self.seed = cache, seed

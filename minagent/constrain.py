@@ -274,4 +274,7 @@ def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, lim
     seqs = [batch.add(p, limit, constraint=constraint) for p in ids]
     while batch.running():
         batch.step()
+        for s in seqs:
+            if batch.status(s) in ("stopped", "length"):
+                batch.finish(s)        # its slot and pages go to the next prompt; its tokens stay readable
     return [tok.decode([t for t in batch.tokens(s)[len(p):] if t != end_id]) for s, p in zip(seqs, ids)]

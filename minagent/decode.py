@@ -75,7 +75,7 @@ def extend(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_RxM):
         lp, l = lp_and_l
         q_RxTxNxH, k_RxTxKxH, v_RxTxKxH = model.qkv(lp, cfg, x_RxTxD, positions_RxT)
         # Write first, then read the row's pages back: the chunk attends to itself through the cache.
-        # The cache is the scan's carry, so XLA updates it in place (no per-layer copies).
+        # The cache is carried from layer to layer, so XLA updates it in place (no per-layer copies).
         k_LxPxSxKxH = k_LxPxSxKxH.at[l, page_RxT, offset_RxT].set(k_RxTxKxH.astype(k_LxPxSxKxH.dtype))
         v_LxPxSxKxH = v_LxPxSxKxH.at[l, page_RxT, offset_RxT].set(v_RxTxKxH.astype(v_LxPxSxKxH.dtype))
         keys_RxMSxKxH = k_LxPxSxKxH[l][page_table_RxM].reshape(R, MS, K, H)
@@ -84,14 +84,33 @@ def extend(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_RxM):
         attn_RxTxNH = model.attend(q_RxTxNxH, keys_RxMSxKxH, values_RxMSxKxH, mask_RxTxMS)
         return (model.finish_layer(lp, cfg, x_RxTxD, attn_RxTxNH), k_LxPxSxKxH, v_LxPxSxKxH), None
 
-    x_RxTxD = model.embed(params, tokens_RxT)
-    layer_ids_L = jnp.arange(cfg.n_layers)
-    (x_RxTxD, k, v), _ = jax.lax.scan(layer, (x_RxTxD, cache["k"], cache["v"]),
-                                      (params["layers"], layer_ids_L))
+    carry = (model.embed(params, tokens_RxT), cache["k"], cache["v"])
+    if isinstance(params["layers"], list):     # unstack_layers(params): one layer after another, in place
+        for l, lp in enumerate(params["layers"]):
+            carry, _ = layer(carry, (lp, l))
+    else:                                       # stacked [L, ...] weights: a scan over the layers
+        carry, _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(cfg.n_layers)))
+    x_RxTxD, k, v = carry
     last_R = jnp.maximum(n_new_R - 1, 0)
     x_last_Rx1xD = jnp.take_along_axis(x_RxTxD, last_R[:, None, None], axis=1)
     logits_RxV = model.unembed(params, cfg, x_last_Rx1xD)[:, 0]
     return logits_RxV, {"k": k, "v": v}
+
+
+def unstack_layers(params):
+    """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params with
+    "layers" a list of L per-layer dicts. Batch does this once; extend accepts both layouts.
+
+    Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at every
+    step, and on CPU that slice is a copy (14 MB per SmolLM2 layer): about a third of a batch-1
+    decode step (benchmarks/bench_decode.py). Separate arrays are read where they lie. The price:
+    the step is traced layer by layer, so it compiles more slowly for deep models.
+    """
+    layers = params["layers"]
+    if isinstance(layers, list):
+        return params
+    n_layers = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda a: a[l], layers) for l in range(n_layers)]}
 
 
 def sample(logits_BxV, seq_seed_B, position_B, temperature=0.0, top_k=0):

@@ -215,6 +215,9 @@ def test_answers_helper():
     reqs = shop_data.test_set(0)[:3]
     texts = constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END, C, temperature=1.0)
     assert all(shop.validate(t).ok for t in texts), texts
+    more = shop_data.test_set(0)[:6]          # more prompts than slots: finished ones give theirs back
+    texts = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more], END, C, slots=2)
+    assert len(texts) == 6 and all(shop.validate(t).ok for t in texts), texts
 
 
 def test_batch_refuses_a_mask_of_the_wrong_size():
