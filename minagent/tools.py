@@ -8,6 +8,7 @@ name, then its arguments, separated by whitespace.
     sort 81 5 23      -> 5 23 81
     lookup Paul age   -> 34          (in this episode's table of sixteen people)
     mul 12 34         -> 408         (never in training data: the unseen tool)
+    read 3            -> "Chapter 3. In the morning, ..."   (chapter 3 of this episode's book: book.py)
 
 A malformed call does not crash the episode: the tool answers a short error the
 model reads like any other result, and may correct itself from.
@@ -15,6 +16,7 @@ model reads like any other result, and may correct itself from.
     add 4821          -> error: add takes two numbers
     add 4x 3          -> error: not a number: 4x
     lookup Zed age    -> error: unknown person Zed
+    read 41           -> error: no chapter 41: the book has chapters 1 to 40
     foo 1             -> error: unknown tool foo
 
 Each tool takes the argument text (everything after the name) and returns a string.
@@ -26,7 +28,12 @@ import functools
 import random
 import re
 
+from minagent import book
+
 MAX_RESULT = 64    # a Toolbox result is at most this many characters: one tool call must not flood the context
+# ...except for the tools in LIMITS, whose whole point is a long result. A chapter must come back whole:
+# cutting it would hide its end, motif included. Keeping long results in the budget is context.fit's job.
+LIMITS = {"read": 4000}
 MAX_DIGITS = 20    # a longer number is refused: "add" of two such numbers still fits in MAX_RESULT
 MAX_SORT = 16      # sort at most this many numbers
 BUSY = "error: tool busy, try again"   # what fail_first answers to the first call of an episode
@@ -141,7 +148,19 @@ def lookup(table, args):
     raise ToolError(f"unknown person {_shown(name)}")
 
 
-TOOL_NAMES = ("add", "reverse", "sort", "lookup", "mul")   # the four training tools + mul
+@tool
+def read(seed, sentences, args):
+    """read(0, 12, "3") -> chapter 3 of book 0, whole: "Chapter 3. Later, the keeper drove to the garden. ..." """
+    words = args.split()
+    if len(words) != 1:
+        raise ToolError("read takes a chapter number")
+    n = _number(words[0])
+    if not 1 <= n <= book.N_CHAPTERS:
+        raise ToolError(f"no chapter {_shown(words[0])}: the book has chapters 1 to {book.N_CHAPTERS}")
+    return book.chapter(seed, n, sentences)
+
+
+TOOL_NAMES = ("add", "reverse", "sort", "lookup", "mul")   # the four training tools + mul; `read` is not a default
 
 
 class Toolbox:
@@ -153,20 +172,22 @@ class Toolbox:
         box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
 
     Calling a Toolbox never raises, whatever the text, and its answer is at most
-    MAX_RESULT characters. Answers never contain "<|": a result cannot smuggle a
+    MAX_RESULT characters (LIMITS[name] for a tool listed there: `read` returns a whole
+    chapter). Answers never contain "<|": a result cannot smuggle a
     special token (`<|end|>`, `<|assistant|>`) into the conversation, where the
     tokenizer would read it as the real thing.
 
     fail_first=True: the first call of the episode answers BUSY, whatever it is; the
     next calls work normally. This measures whether the model tries again.
-    tools: the names available in this episode (default: all of TOOL_NAMES).
+    tools: the names available in this episode (default: all of TOOL_NAMES; `read` must be asked for,
+    Toolbox(seed, tools=["read"]), and reads book `seed` with chapters of `sentences` sentences).
     """
 
-    def __init__(self, seed, fail_first=False, tools=None):
+    def __init__(self, seed, fail_first=False, tools=None, sentences=book.SENTENCES):
         self.seed, self.fail_first = seed, fail_first
         self.table = people_table(seed)
         every = {"add": add, "reverse": reverse, "sort": sort, "mul": mul,
-                 "lookup": functools.partial(lookup, self.table)}
+                 "lookup": functools.partial(lookup, self.table), "read": functools.partial(read, seed, sentences)}
         names = TOOL_NAMES if tools is None else tuple(tools)
         unknown = set(names) - set(every)
         if unknown:
@@ -182,8 +203,9 @@ class Toolbox:
         else:
             result = self._run(call_text)
         result = result.replace("<|", "< |")   # no "<|" can survive: the inserted "<" is followed by " "
-        if len(result) > MAX_RESULT:
-            result = result[:MAX_RESULT - 3] + "..."
+        limit = LIMITS.get((call_text.split() or [""])[0], MAX_RESULT)
+        if len(result) > limit:
+            result = result[:limit - 3] + "..."
         self.log.append((call_text, result))
         return result
 

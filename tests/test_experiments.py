@@ -122,3 +122,57 @@ def test_04_recovery_quick(tmp_path):
     assert sum(mul["first_tool"].values()) == n
     assert mul["without_description"]["called_mul"]["n"] == n
     assert res["episodes"] == 2 * 4 * n + 2 * n                      # 2 splits x 4 runs, then mul twice
+
+
+# ---------------------------------------------------------------- 07: choosing a tool
+
+def test_07_tool_choice_quick(tmp_path):
+    """A tiny random model (BPE trained on shop text), LoRA for 3 steps: every count well formed, the gate holds."""
+    res = run_quick("07_tool_choice.py", tmp_path)
+    assert res["quick"] is True and res["sizes"] == [10, 20]
+    assert all(t["checkpoint"] is None and t["cached"] is False for t in res["training"].values())
+    free = res["free"]
+    assert set(free) == {"before", "lora10", "lora20", "classifier10", "classifier20", "random"}
+    for name, splits in free.items():
+        for split, r in splits.items():
+            n = r["n"]
+            assert n == (15 if split == "test" else 10)
+            assert 0 <= r["tool"] <= 1 and sum(p["n"] for p in r["per_tool"].values()) == n
+            assert sum(p["n"] for p in r["per_kind"].values()) == n
+            s = r["safety"]
+            assert 0 <= s["refund_unasked"]["k"] <= s["refund_unasked"]["n"] <= n
+            assert 0 <= s["person_missed"]["k"] <= s["person_missed"]["n"] <= n
+            assert 0 <= s["refund_unasked_injections"] <= s["refund_unasked"]["k"]
+            if name.startswith(("before", "lora")):                 # the models: answers, validity, the gate
+                assert 0 <= r["tool_args"] <= r["tool"] and 0 <= r["valid"] <= 1
+                assert sum(r["reasons"].values()) == round((1 - r["valid"]) * n)
+                assert r["gate"]["refunds_executed"] == 0 and r["gate"]["pending"] == r["gate"]["refunds_held"]
+                assert s["refund_unasked_valid"] <= s["refund_unasked"]["k"]
+                assert sum(r["error_kinds"].values()) == round((1 - r["tool_args"]) * n)
+                assert len(r["errors"]) <= 8
+    for name in ("before", "lora10", "lora20"):                     # constrained: every answer valid
+        r = res["constrained"][name]["test"]
+        assert r["valid"] == 1.0 and r["reasons"] == {} and r["gate"]["refunds_executed"] == 0
+
+
+# ---------------------------------------------------------------- 06: keeping long turns inside the context window
+
+def test_06_context_quick(tmp_path):
+    """(a) and (b) are scripted, so their outcome is exact even in --quick; (c) only has to be well formed."""
+    res = run_quick("06_context.py", tmp_path)
+    assert res["quick"] is True
+    old, new = res["a"]["rows"]
+    assert (old["fitting"], new["fitting"]) == ("old trimming", "three-step fit")
+    assert old["refused"] == old["n"] and old["finished"] == 0               # nowhere to cut in one turn
+    assert new["refused"] == 0 and new["finished"] == new["right"] == new["n"]
+    assert new["largest_request"] <= res["a"]["budget"] < min(res["a"]["whole_history"])
+    rows = res["b"]["rows"]
+    for r in rows:
+        assert r["positions"] == r["by_hand"] < r["no_cache"]               # the engine's count == the count by hand
+    by_group = {r["group"]: r["positions"] for r in rows}
+    assert by_group[4] < by_group[1]                                         # clearing in groups keeps the prefix
+    c = res["c"]
+    assert [r["condition"] for r in c["rows"]] == ["fit", "old", "none", "none, room for all"]
+    for r in c["rows"]:
+        assert sum(r["statuses"].values()) == r["n"] and 0 <= r["right"] <= r["n"]
+        assert 0 <= r["notes_right"] <= r["notes"] and r["positions"] > 0
