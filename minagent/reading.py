@@ -6,22 +6,24 @@ a sub-agent reading many chapters. Its gold episode, as context.Messages (book.p
     first   Which of chapters 12 to 15 mention a lighthouse?
     model   <|call|>read 12<|result|>
     result  Chapter 12. Later, the keeper drove to the garden. ...
-    model   chapter 12: no. so far: none<|call|>read 13<|result|>
+    model   chapter 12 of 15: no. so far: none<|call|>read 13<|result|>
     result  Chapter 13. ... Far out on the rocks stood a lighthouse. ...
-    model   chapter 13: yes. so far: 13<|call|>read 14<|result|>
+    model   chapter 13 of 15: yes. so far: 13<|call|>read 14<|result|>
     result  Chapter 14. ...
-    model   chapter 14: no. so far: 13<|call|>read 15<|result|>
+    model   chapter 14 of 15: no. so far: 13<|call|>read 15<|result|>
     result  Chapter 15. ... a lighthouse ...
-    model   13 15<|end|>
+    model   chapter 15 of 15: yes. answer: 13 15<|end|>
 
 The notes are the model's memory. context.fit clears old results (step 1) and, when even
 that is not enough, drops old rounds (step 3); it never changes a model message, and the
 newest round, the newest note with its call and the chapter it read, is always sent. Each
 note carries the whole list so far, so that round is all the model needs: the next note
-adds the chapter just read if it mentions the motif, the next call reads one chapter more,
-and after chapter B the answer is the list. `reader` is that rule written as a program:
-it looks at nothing but the view, and tests/test_reading.py checks that over fitted views
-it writes the gold episode exactly.
+adds the chapter just read if it mentions the motif, the next call reads one chapter more.
+A note also names the last chapter ("of 15"), so that the decision to stop compares two
+numbers side by side in the note being written: after "chapter 15 of 15" comes "answer:",
+the list, and the end. (`answer_of` reads the list back.) `reader` is that rule written as
+a program: it looks at nothing but the view, and tests/test_reading.py checks that over
+fitted views it writes the gold episode exactly.
 
 Training examples are the views the model would really see (`examples`): for each model
 message, the view `fit` makes of the history before it, rendered, with that message as the
@@ -43,6 +45,7 @@ MOTIF_WORDS = {"lighthouse": "a lighthouse", "storm": "a storm", "fox": "a fox"}
 QUESTION = "Which of chapters {first} to {last} mention {what}?"
 _QUESTION = re.compile(r"Which of chapters (\d+) to (\d+) mention an? (\w+)\?")
 _NOTE = re.compile(r"so far: ([0-9 ]+|none)")
+_ANSWER = re.compile(r"answer: (.*)$")
 _READ = re.compile(r"read (\d+)")
 
 
@@ -63,13 +66,23 @@ def listed(chapters):
     return " ".join(map(str, chapters)) or "none"
 
 
-def note(n, found):
-    """What the model writes after reading chapter n: note(14, [13]) -> "chapter 14: no. so far: 13".
+def note(n, last, found):
+    """What the model writes after reading chapter n of first..last, with `found` the chapters so far:
+
+        note(14, 15, [13]) -> "chapter 14 of 15: no. so far: 13"
+        note(15, 15, [13, 15]) -> "chapter 15 of 15: yes. answer: 13 15"
 
     A chapter number is always written after a space, as in "read 14" and in the question,
     so that a tokenizer that has " 14" as one piece sees the same piece everywhere.
     """
-    return f"chapter {n}: {'yes' if n in found else 'no'}. so far: {listed(found)}"
+    return (f"chapter {n} of {last}: {'yes' if n in found else 'no'}. "
+            f"{'answer' if n == last else 'so far'}: {listed(found)}")
+
+
+def answer_of(text):
+    """The list in a last note: "chapter 15 of 15: yes. answer: 13 15" -> "13 15" (else the text itself)."""
+    m = _ANSWER.search(text)
+    return m.group(1).strip() if m else text
 
 
 def call(fmt, n):
@@ -85,20 +98,19 @@ def mission(seed, first, last, motif="lighthouse", sentences=book.SENTENCES, fmt
     for n in range(first, last + 1):
         history.append(Message("result", book.chapter(seed, n, sentences)))
         found = [k for k in gold if k <= n]
-        if n < last:
-            history.append(Message("model", note(n, found) + call(fmt, n + 1)))
-    history.append(Message("model", listed(gold) + fmt.end))
+        history.append(Message("model", note(n, last, found) + (call(fmt, n + 1) if n < last else fmt.end)))
     return Reading(question, first, last, motif, seed, sentences, listed(gold), tuple(history))
 
 
 def generate(n, seed, lengths=(3, 12), motifs=("lighthouse",), sentences=book.SENTENCES, fmt=chat.MINAGENT,
-             system=None):
-    """n missions of lengths[0] to lengths[1] chapters each (a random stretch of a random book)."""
+             system=None, within=book.N_CHAPTERS):
+    """n missions of lengths[0] to lengths[1] chapters each: a random stretch of chapters 1..within
+    of a random book. (A smaller `within` means fewer chapter numbers for a small model to tell apart.)"""
     out = []
     for i in range(n):
         rng = random.Random(f"reading/{seed}/{i}")          # mission i depends on (seed, i) only
         length = rng.randint(*lengths)
-        first = rng.randint(1, book.N_CHAPTERS - length + 1)
+        first = rng.randint(1, within - length + 1)
         out.append(mission(rng.getrandbits(32), first, first + length - 1, rng.choice(motifs), sentences, fmt,
                            system))
     return out
@@ -122,7 +134,7 @@ def reader(view, fmt=chat.MINAGENT):
     so_far = _NOTE.search(asked)
     found = [int(k) for k in so_far.group(1).split() if k != "none"] if so_far else []
     found += [n] if motif in chapter else []
-    return listed(found) + fmt.end if n >= last else note(n, found) + call(fmt, n + 1)
+    return note(n, last, found) + (fmt.end if n >= last else call(fmt, n + 1))
 
 
 def scripted(r, budget, count, fitting=context.fit, toolbox=None, fmt=chat.MINAGENT, max_calls=100):
@@ -145,7 +157,7 @@ def scripted(r, budget, count, fitting=context.fit, toolbox=None, fmt=chat.MINAG
         message = reader(view, fmt)
         history.append(Message("model", message))
         if message.endswith(fmt.end):
-            return dict(status="done", answer=message[:-len(fmt.end)], history=tuple(history), sent=sent,
+            return dict(status="done", answer=answer_of(message[:-len(fmt.end)]), history=tuple(history), sent=sent,
                         steps=steps)
         if box.calls == max_calls:
             return dict(status="calls", answer="", history=tuple(history), sent=sent, steps=steps)

@@ -37,11 +37,13 @@ def test_gold_episode():
     box = Toolbox(4, tools=["read"])
     for call, result in zip(r.history[1::2], r.history[2::2]):       # every result is the tool's
         assert result.text == box(call.text.split(FMT.call)[1].removesuffix(FMT.result))
-    assert r.history[3].text == reading.note(12, [k for k in gold if k <= 12]) + "<|call|>read 13<|result|>"
-    assert r.history[-1].text == r.answer + "<|end|>"
-    assert reading.note(14, [13]) == "chapter 14: no. so far: 13"
-    assert reading.note(13, [13]) == "chapter 13: yes. so far: 13"
-    assert reading.listed([]) == "none"
+    assert r.history[3].text == reading.note(12, 15, [k for k in gold if k <= 12]) + "<|call|>read 13<|result|>"
+    assert r.history[-1].text.endswith(f". answer: {r.answer}<|end|>")
+    assert reading.answer_of(r.history[-1].text.removesuffix("<|end|>")) == r.answer
+    assert reading.note(14, 15, [13]) == "chapter 14 of 15: no. so far: 13"
+    assert reading.note(15, 15, [13, 15]) == "chapter 15 of 15: yes. answer: 13 15"
+    assert reading.note(3, 9, []) == "chapter 3 of 9: no. so far: none"
+    assert reading.listed([]) == "none" and reading.answer_of("I give up") == "I give up"
 
 
 def test_generate_is_deterministic_and_in_range():
@@ -52,6 +54,7 @@ def test_generate_is_deterministic_and_in_range():
     for r in rs:
         assert 2 <= r.last - r.first + 1 <= 9 and 1 <= r.first and r.last <= book.N_CHAPTERS
     assert {r.answer == "none" for r in rs} == {True, False}        # both kinds of answer occur
+    assert all(r.last <= 12 for r in reading.generate(30, seed=1, lengths=(2, 9), within=12))
 
 
 @pytest.mark.parametrize("budget", [None, 4000, 700, 450, 330])
@@ -108,8 +111,8 @@ def test_a_cleared_newest_result_would_fool_the_reader():
     r = reading.mission(seed=0, first=1, last=3)
     view = r.history[:2] + (Message("result", context.CLEARED_NOTE),)   # first, read 1, chapter 1 cleared
     assert "lighthouse" in r.history[2].text                           # book 0, chapter 1 has one...
-    assert reading.reader(r.history[:3]) == r.history[3].text == "chapter 1: yes. so far: 1<|call|>read 2<|result|>"
-    assert reading.reader(view).startswith("chapter 1: no. so far: none")   # ...that a cleared result hides
+    assert reading.reader(r.history[:3]) == r.history[3].text == "chapter 1 of 3: yes. so far: 1<|call|>read 2<|result|>"
+    assert reading.reader(view).startswith("chapter 1 of 3: no. so far: none")   # ...that a cleared result hides
     for budget in range(60, 400, 20):
         f = context.fit(r.history[:3], budget, count)
         assert f.refused or f.view[-1] == r.history[2]
