@@ -14,9 +14,13 @@ Run:
     python experiments/01_tokenization.py --quick # CPU: ~1 s, 512 pieces on 300 KB (or a built-in text)
 Then, for context-window budgets (spec part 2, minagent/context.py): token counts of four samples
 written for minagent (tests/data/scripts/: English, Russian, Chinese, Japanese) by each tokenizer,
-against characters / 4, the spec's by-script estimate and the bounds that err high.
-No GPU needed. Writes experiments/results/01_tokenization.json; the trained tokenizer is cached
-(git-ignored) in experiments/results/wordnet-bpe-8192.tok.
+against characters / 4, the spec's by-script estimate and the bounds that err high. A third
+tokenizer joins there: minagent's BPE with 32,768 pieces learned on the word frequencies of English,
+Russian, Chinese and Japanese (tokenizer.wordfreq_chunks; ~30 s), one that has pieces for all four
+scripts, as the spec's provider's does. Last, the same counts on text none of the rates were read
+from: words 1,000 to 10,000 of each language's frequency list, joined.
+No GPU needed. Writes experiments/results/01_tokenization.json; the trained tokenizers are cached
+(git-ignored) in experiments/results/wordnet-bpe-8192.tok and wordfreq-bpe-32768.tok.
 """
 
 import argparse
@@ -69,21 +73,57 @@ def get_minagent_bpe(args):
     return tok, f"minagent BPE, {args.vocab_size} pieces, WordNet (trained in {time.time() - t0:.1f} s)"
 
 
+def get_multilingual_bpe(args):
+    """32,768 pieces on wordfreq's en/ru/zh/ja word lists (--quick: 2,048 on 3,000 words each, not cached)."""
+    try:
+        import wordfreq  # noqa: F401
+    except ImportError:
+        print("(multilingual BPE skipped: the wordfreq package is missing; pip install -e '.[test]')\n")
+        return None
+    if args.quick:
+        return tk.train_counts(tk.wordfreq_chunks(n_words=3000), 2048), "minagent BPE, 2048 pieces, word lists (quick)"
+    cached = RESULTS / "wordfreq-bpe-32768.tok"
+    if cached.exists() and not args.retrain:
+        return tk.load(cached), f"minagent BPE, 32768 pieces, en/ru/zh/ja word lists (cached {cached.name})"
+    t0 = time.time()
+    tok = tk.train_counts(tk.wordfreq_chunks(), 32768, progress=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tk.save(tok, cached)
+    return tok, f"minagent BPE, 32768 pieces, en/ru/zh/ja word lists (trained in {time.time() - t0:.1f} s)"
+
+
+def count_row(text, tokenizers):
+    return {"chars": len(text), "bytes": cx.utf8_bytes(text), "chars4": cx.chars4(text),
+            "spec_estimate": cx.estimate_tokens(text),
+            "smollm2_rates_estimate": cx.estimate_tokens(text, cx.SMOLLM2_RATES),
+            "exact": {key: len(tok.encode(text)) for key, (tok, _) in tokenizers.items()}}
+
+
+def print_rows(rows, tokenizers):
+    print(f"{'text':9} {'chars':>7} {'bytes':>7} {'chars/4':>8} {'spec est.':>9} {'SmolLM2 est.':>12} "
+          + " ".join(f"{key:>12}" for key in tokenizers))
+    for name, row in rows.items():
+        print(f"{name:9} {row['chars']:>7} {row['bytes']:>7} {row['chars4']:>8} {row['spec_estimate']:>9} "
+              f"{row['smollm2_rates_estimate']:>12} " + " ".join(f"{n:>12}" for n in row["exact"].values()))
+    print()
+
+
+def word_list_counts(tokenizers):
+    """Held-out text for the rates: each language's words 1,000 to 10,000 by frequency, joined
+    (with spaces for English and Russian). Rarer words than the samples, so fewer learned pieces."""
+    import wordfreq
+    rows = {}
+    for lang, sep in (("en", " "), ("ru", " "), ("zh", ""), ("ja", "")):
+        rows[lang] = count_row(sep.join(wordfreq.top_n_list(lang, 10_000, wordlist="large")[1000:]), tokenizers)
+    print("words 1,000 to 10,000 of each language's frequency list:")
+    print_rows(rows, tokenizers)
+    return rows
+
+
 def estimates(tokenizers):
     """Per sample: characters, utf-8 bytes, the estimates of context.py, and each tokenizer's exact count."""
-    rows = {}
-    print(f"{'sample':9} {'chars':>6} {'bytes':>6} {'chars/4':>8} {'spec est.':>9} {'SmolLM2 est.':>12} "
-          + " ".join(f"{key:>9}" for key in tokenizers))
-    for name in SAMPLES:
-        text = (SCRIPTS / f"{name}.txt").read_text(encoding="utf-8")
-        row = {"chars": len(text), "bytes": cx.utf8_bytes(text), "chars4": cx.chars4(text),
-               "spec_estimate": cx.estimate_tokens(text),
-               "smollm2_rates_estimate": cx.estimate_tokens(text, cx.SMOLLM2_RATES),
-               "exact": {key: len(tok.encode(text)) for key, (tok, _) in tokenizers.items()}}
-        rows[name] = row
-        print(f"{name:9} {row['chars']:>6} {row['bytes']:>6} {row['chars4']:>8} {row['spec_estimate']:>9} "
-              f"{row['smollm2_rates_estimate']:>12} " + " ".join(f"{n:>9}" for n in row["exact"].values()))
-    print()
+    rows = {name: count_row((SCRIPTS / f"{name}.txt").read_text(encoding="utf-8"), tokenizers) for name in SAMPLES}
+    print_rows(rows, tokenizers)
     return rows
 
 
@@ -103,6 +143,9 @@ def main():
         tokenizers["smollm2"] = (tk.from_gguf(gguf_path), "SmolLM2-135M-Instruct (GGUF)")
     else:
         print(f"(SmolLM2 column skipped: {gguf_path} not found; `python -m minagent.weights fetch`)\n")
+    multilingual = get_multilingual_bpe(args)
+    if multilingual:
+        tokenizers["multilingual"] = multilingual
 
     results = {"quick": args.quick, "tokenizers": {}}
     for key, (tok, title) in tokenizers.items():
@@ -116,6 +159,8 @@ def main():
             "splits": {t: {"pieces": show(tok, t), "ids": tok.encode(t)} for t in (QUESTION, CALL, RESULT)},
         }
     results["estimates"] = estimates(tokenizers)
+    if "multilingual" in tokenizers:
+        results["word_lists"] = word_list_counts(tokenizers)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")

@@ -279,11 +279,16 @@ class Rates:
 # the SPEC reports 43,423 estimated tokens against about 44,600 measured, where chars/4
 # said 25,023. Those are the SPEC's numbers, not minagent's; note that "errs high" is not
 # quite true there either (2.6 % low), but about 17 times closer than chars/4 (44 % low).
-# A small tokenizer has fewer non-English pieces and needs lower rates: see tests/test_context.py.
+# They are rates of a tokenizer with many pieces for each script, not of the scripts: against
+# minagent's BPE learned on English, Russian, Chinese and Japanese word lists they err high on all
+# four samples in tests/data/scripts/; a small tokenizer with few non-English pieces needs lower
+# rates (README, "Counting tokens without a tokenizer").
 SPEC_RATES = Rates(ascii=4, cjk=1, other=2)
 # Measured on the samples in tests/data/scripts/ with SmolLM2's tokenizer (Russian about 1.3
 # characters per token, Chinese and Japanese about 0.56: each character is 3 utf-8 bytes, often
-# 2 tokens), rounded toward more tokens. With these the estimate errs high on all four samples.
+# 2 tokens), rounded toward more tokens. With these the estimate errs high on all four samples,
+# but on rarer words (wordfreq's 1,000th to 10,000th) it is 4 % low for Chinese: rates read from one
+# text estimate another, they do not bound it. utf8_bytes is the bound.
 SMOLLM2_RATES = Rates(ascii=4, cjk=0.5, other=1)
 
 _CJK = re.compile("[\u1100-\u11ff"          # Hangul Jamo
