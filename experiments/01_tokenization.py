@@ -108,14 +108,14 @@ def print_rows(rows, tokenizers):
     print()
 
 
-def word_list_counts(tokenizers):
-    """Held-out text for the rates: each language's words 1,000 to 10,000 by frequency, joined
+def word_list_counts(tokenizers, last=10_000):
+    """Held-out text for the rates: each language's words 1,000 to `last` by frequency, joined
     (with spaces for English and Russian). Rarer words than the samples, so fewer learned pieces."""
     import wordfreq
     rows = {}
     for lang, sep in (("en", " "), ("ru", " "), ("zh", ""), ("ja", "")):
-        rows[lang] = count_row(sep.join(wordfreq.top_n_list(lang, 10_000, wordlist="large")[1000:]), tokenizers)
-    print("words 1,000 to 10,000 of each language's frequency list:")
+        rows[lang] = count_row(sep.join(wordfreq.top_n_list(lang, last, wordlist="large")[1000:]), tokenizers)
+    print(f"words 1,000 to {last:,} of each language's frequency list:")
     print_rows(rows, tokenizers)
     return rows
 
@@ -160,7 +160,7 @@ def main():
         }
     results["estimates"] = estimates(tokenizers)
     if "multilingual" in tokenizers:
-        results["word_lists"] = word_list_counts(tokenizers)
+        results["word_lists"] = word_list_counts(tokenizers, last=1500 if args.quick else 10_000)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")

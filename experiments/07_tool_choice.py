@@ -88,7 +88,6 @@ import numpy as np  # noqa: E402
 
 from minagent import chat, classifier, constrain, lora, model, shop, shop_data, train, weights  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
-from minagent.batch import Batch  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 FMT = chat.CHATML
@@ -141,30 +140,6 @@ def prompt(req):
 def example(req, tok):
     """A training example: (tokens, authors), the gold JSON the only part the model wrote."""
     return chat.render([prompt(req), chat.answer(FMT, shop_data.gold_json(req))], tok)
-
-
-def answers(params, cfg, tok, requests, args, constraint=None):
-    """Greedy answers, `slots` requests at a time -> ([answer text without <|im_end|>], [stopped: bool]).
-
-    A sequence that stops or runs out of tokens is finished at once, so a queued one takes its slot.
-    """
-    end = tok.special(FMT.end)
-    limit = args.limit if constraint is None else constrain.max_chars() + 1
-    prompts = [tok.encode(prompt(r).text) for r in requests]
-    max_len = max(map(len, prompts)) + limit
-    slots = min(args.slots, len(prompts))
-    batch = Batch(params, cfg, slots=slots, n_pages=slots * -(-max_len // 16) + 1, page_size=16, max_len=max_len,
-                  stop_tokens=[end], prefill_rows=8, buckets=(16, 64, 192, 256))
-    ids = [batch.add(p, limit, constraint=constraint) for p in prompts]
-    stopped = {}
-    while batch.running():
-        batch.step()
-        for i in ids:
-            if i not in stopped and batch.status(i) in ("stopped", "length"):
-                stopped[i] = batch.status(i) == "stopped"
-                batch.finish(i)
-    texts = [tok.decode([t for t in batch.tokens(i)[len(p):] if t != end]) for i, p in zip(ids, prompts)]
-    return texts, [stopped[i] for i in ids]
 
 
 # ---------------------------------------------------------------- scoring
@@ -270,7 +245,10 @@ def a_few(errors, n):
 
 def evaluate(params, cfg, tok, requests, args, constraint=None):
     t0 = time.perf_counter()
-    texts, stopped = answers(params, cfg, tok, requests, args, constraint)
+    limit = args.limit if constraint is None else constrain.max_chars() + 1
+    texts, stopped = constrain.answers(params, cfg, tok, [prompt(r).text for r in requests], tok.special(FMT.end),
+                                       constraint, slots=args.slots, limit=limit, prefill_rows=8,
+                                       buckets=(16, 64, 192, 256))
     return dict(score(requests, texts, stopped, args.n_errors), seconds=time.perf_counter() - t0)
 
 

@@ -160,15 +160,25 @@ class Batch:
 
     def fits(self, n_tokens, limit):
         """Whether a sequence of n_tokens may sample `limit` more: within max_len and within the cache's pages."""
-        n = n_tokens + limit
-        return n <= self.max_len and pages_for(n - 1, self.page_size) <= self.pool.n_pages - 1
+        return self._too_long(n_tokens, limit) is None
+
+    def _too_long(self, n, limit):
+        """Why n tokens + limit do not fit the cache, or None when they do."""
+        if n + limit > self.max_len:
+            return f"{n} tokens + limit {limit} > max_len {self.max_len}: prompt longer than the cache"
+        need = pages_for(n + limit - 1, self.page_size)
+        if need > self.pool.n_pages - 1:
+            return f"{n} tokens + limit {limit} need {need} pages but the cache has {self.pool.n_pages - 1}: " \
+                   "prompt longer than the cache"
+        return None
 
     # ------------------------------------------------------------ the caller's moves
 
     def add(self, prompt_tokens, limit, *, seed=None, constraint=None):
         """A new sequence, queued; returns its id. `seed` picks its sampling stream (default: from its id).
         `constraint` (a constrain.Constraint) masks every token it samples from here on, starting at
-        constraint.start(): its whole answer is constrained."""
+        constraint.start(): its whole answer is constrained. resume() and rewrite() start it again,
+        so each stretch is one constrained answer."""
         if constraint is not None and constraint.n_vocab != self.cfg.vocab_size:
             raise ValueError(f"the constraint masks {constraint.n_vocab} tokens, the model has {self.cfg.vocab_size}")
         prompt = self._check(list(prompt_tokens), 0, limit)
@@ -192,8 +202,7 @@ class Batch:
         if not self.use_cache:          # no KV cache: forget everything and re-read the whole episode
             self._release(seq, keep=0)
             seq.pending = list(seq.tokens)
-        seq.limit, seq.status = limit, "queued"
-        self.queue.append(id)
+        self._restart(seq, limit)
 
     def rewrite(self, id, tokens, limit):
         """Replace the whole token list of a paused, stopped or length-limited sequence; -> positions to push.
@@ -223,10 +232,16 @@ class Batch:
                 keep += 1
         self._release(seq, keep=pages_for(keep, self.page_size))
         seq.tokens, seq.pending = tokens, tokens[keep:]
-        seq.limit, seq.status = limit, "queued"
         seq.reprefilled += len(seq.pending)
-        self.queue.append(id)
+        self._restart(seq, limit)
         return len(seq.pending)
+
+    def _restart(self, seq, limit):
+        """Queue a resumed or rewritten sequence for a new stretch; its constraint, if any, starts a new answer."""
+        seq.limit, seq.status = limit, "queued"
+        if seq.constraint is not None:
+            seq.state = seq.constraint.start()
+        self.queue.append(seq.id)
 
     def park(self, id):
         """Give a paused, stopped or length-limited sequence's slot back, keeping its pages (its cache).
@@ -253,11 +268,12 @@ class Batch:
             seq.slot = None
         seq.status = "finished"
 
-    def warmup(self):
+    def warmup(self, constrained=False):
         """Compile every shape the steps can use (prefill: bucket x width; decode: width) on idle rows.
 
         Idle rows (n_new = 0) write only to the null page, so this changes no sequence. Optional: the
-        shapes also compile on first use; after warmup() nothing compiles again.
+        shapes also compile on first use; after warmup() nothing compiles again. constrained=True also
+        compiles the decode step with a token mask, which sequences added with a constraint use.
         """
         R, B = self.prefill_rows, self.n_slots
         for shorter, T in zip([0] + self.buckets, self.buckets):
@@ -266,11 +282,13 @@ class Batch:
                     zeros_R = np.zeros(R, np.int32)
                     self.kv = self._run(decode.prefill_step, np.zeros((R, T), np.int32), zeros_R, zeros_R,
                                         np.zeros((R, W), np.int32))
+        masks = [{}] + ([{"allowed_BxV": np.ones((B, self.cfg.vocab_size), bool)}] if constrained else [])
         for W in self.widths:
-            zeros_B = np.zeros(B, np.int32)
-            _, _, self.kv = self._run(decode.decode_step, zeros_B, zeros_B, np.zeros(B, bool),
-                                      np.zeros((B, W), np.int32), zeros_B,
-                                      temperature=self.temperature, top_k=self.top_k)
+            for mask in masks:
+                zeros_B = np.zeros(B, np.int32)
+                _, _, self.kv = self._run(decode.decode_step, zeros_B, zeros_B, np.zeros(B, bool),
+                                          np.zeros((B, W), np.int32), zeros_B,
+                                          temperature=self.temperature, top_k=self.top_k, **mask)
 
     def step(self):
         """Prefill whatever is pending, then one decode step: one new token per running sequence."""
@@ -296,13 +314,9 @@ class Batch:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
         if limit < 1:
             raise ValueError(f"limit={limit}: a stretch must allow at least one token")
-        n = n_before + len(tokens)
-        if n + limit > self.max_len:
-            raise ValueError(f"{n} tokens + limit {limit} > max_len {self.max_len}: prompt longer than the cache")
-        need = pages_for(n + limit - 1, self.page_size)
-        if need > self.pool.n_pages - 1:
-            raise ValueError(f"{n} tokens + limit {limit} need {need} pages but the cache has "
-                             f"{self.pool.n_pages - 1}: prompt longer than the cache")
+        why = self._too_long(n_before + len(tokens), limit)
+        if why:
+            raise ValueError(why)
         return tokens
 
     def _admit(self):

@@ -257,11 +257,14 @@ class Constraint:
 
 
 def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, limit=None, temperature=0.0,
-            seed=0, page_size=16):
-    """Decode one answer per prompt text through a Batch -> [answer text, without the end token].
+            seed=0, page_size=16, **batch_kw):
+    """Decode one answer per prompt text through a Batch -> ([answer text, without the end token],
+    [whether it stopped at the end token, rather than at the limit]).
 
     constraint=None: free decoding. With a Constraint every answer is a valid call, and the
     default limit (max_chars() + 1 tokens: every token writes at least one char) lets it finish.
+    A sequence is finished as soon as it ends, so a queued prompt takes its slot and pages.
+    batch_kw go to the Batch (prefill_rows, buckets, ...).
     """
     from minagent.batch import Batch
 
@@ -270,11 +273,14 @@ def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, lim
     max_len = max(map(len, ids)) + limit
     slots = min(slots, len(ids))
     batch = Batch(params, cfg, slots=slots, n_pages=slots * -(-max_len // page_size) + 1, page_size=page_size,
-                  max_len=max_len, stop_tokens=(end_id,), temperature=temperature, seed=seed)
+                  max_len=max_len, stop_tokens=(end_id,), temperature=temperature, seed=seed, **batch_kw)
     seqs = [batch.add(p, limit, constraint=constraint) for p in ids]
+    stopped = {}
     while batch.running():
         batch.step()
         for s in seqs:
-            if batch.status(s) in ("stopped", "length"):
-                batch.finish(s)        # its slot and pages go to the next prompt; its tokens stay readable
-    return [tok.decode([t for t in batch.tokens(s)[len(p):] if t != end_id]) for s, p in zip(seqs, ids)]
+            if s not in stopped and batch.status(s) in ("stopped", "length"):
+                stopped[s] = batch.status(s) == "stopped"
+                batch.finish(s)        # its tokens stay readable
+    texts = [tok.decode([t for t in batch.tokens(s)[len(p):] if t != end_id]) for s, p in zip(seqs, ids)]
+    return texts, [stopped[s] for s in seqs]

@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from minagent import agent, chat, missions, model, train
+from minagent import agent, chat, model, train
 from minagent import tokenizer as tk
 from minagent.tools import Toolbox
 

@@ -213,14 +213,53 @@ def test_batch_constrained_rows_validate_and_free_rows_unchanged(temperature):
 
 def test_answers_helper():
     reqs = shop_data.test_set(0)[:3]
-    texts = constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END, C, temperature=1.0)
-    assert all(shop.validate(t).ok for t in texts), texts
+    texts, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END, C, temperature=1.0)
+    assert all(shop.validate(t).ok for t in texts) and all(stopped), texts
     more = shop_data.test_set(0)[:6]          # more prompts than slots: finished ones give theirs back
-    texts = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more], END, C, slots=2)
-    assert len(texts) == 6 and all(shop.validate(t).ok for t in texts), texts
+    texts, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more], END, C, slots=2)
+    assert len(texts) == 6 and all(shop.validate(t).ok for t in texts) and all(stopped), texts
+    _, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more[:2]], END, limit=3)
+    assert stopped == [False, False]          # free answers cut at 3 tokens: the untrained model writes on
 
 
 def test_batch_refuses_a_mask_of_the_wrong_size():
     batch = Batch(PARAMS, CFG, slots=1, n_pages=8, page_size=16, max_len=64)
     with pytest.raises(ValueError, match="constraint"):
         batch.add([1, 2], 4, constraint=constrain.Constraint(TOK, END, n_vocab=TOK.n_vocab + 8))
+
+
+def test_resumed_constrained_sequence_writes_a_second_valid_answer():
+    """resume() starts the constraint again: the second stretch is a whole new valid call, not only
+    the end token that a finished answer's state would allow."""
+    prompt = TOK.encode(shop_data.test_set(0)[0].text)
+    limit = constrain.max_chars() + 1
+    batch = Batch(PARAMS, CFG, slots=1, n_pages=12, page_size=64, max_len=640, stop_tokens=[END], temperature=1.0)
+    i = batch.add(prompt, limit, constraint=C)
+    run(batch)
+    first = batch.tokens(i)[len(prompt):]
+    again = TOK.encode(" and once more:")
+    batch.resume(i, again, limit)
+    run(batch)
+    second = batch.tokens(i)[len(prompt) + len(first) + len(again):]
+    for answer in (first, second):
+        assert answer[-1] == END and len(answer) > 1
+        assert shop.validate(TOK.decode(answer[:-1])).ok, TOK.decode(answer)
+
+
+def test_constrained_warmup_leaves_nothing_to_compile():
+    """warmup(constrained=True) compiles the masked decode step too: a mix of constrained and free
+    sequences then compiles nothing."""
+    prompts = [TOK.encode(r.text) for r in shop_data.test_set(0)[:6]]
+    limit = constrain.max_chars() + 1
+    batch = Batch(PARAMS, CFG, slots=3, n_pages=3 * 4 + 1, page_size=64, max_len=256, stop_tokens=[END],
+                  buckets=(64, 256))
+    batch.warmup(constrained=True)
+    warm = batch.compiles
+    ids = [batch.add(p, limit, constraint=C if i % 2 else None) for i, p in enumerate(prompts)]
+    while batch.running():
+        batch.step()
+        for i in ids:
+            if batch.status(i) in ("stopped", "length"):
+                batch.finish(i)
+    assert batch.compiles == warm, f"{batch.compiles - warm} compiles after warm-up"
+    assert all(shop.validate(TOK.decode(batch.tokens(i)[len(p):-1])).ok for i, p in zip(ids[1::2], prompts[1::2]))
