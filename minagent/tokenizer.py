@@ -277,15 +277,16 @@ def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGEN
     return add_special_tokens(Tokenizer(tuple(pieces), tuple(merges), {}, pattern), specials)
 
 
-# Languages written with spaces between words get their words as " word" chunks, the others bare.
-SPACED = {"en": True, "ru": True, "zh": False, "ja": False}
+# Languages written without spaces between words: their words are chunks as they are; the words of
+# every other language get a leading space, " word", as the pre-tokenizer cuts them from running text.
+UNSPACED = ("zh", "ja", "th")
 
 
 def wordfreq_chunks(langs=("en", "ru", "zh", "ja"), n_words=50_000, mass=10_000_000, pattern=GPT2_PATTERN):
     """A multilingual corpus without running text: each language's n_words most frequent words from
     the `wordfreq` package, counted in proportion to their frequency, every language the same `mass`.
 
-    wordfreq folds case, so for spaced languages each word also comes capitalized, as in running
+    wordfreq folds case, so for spaced languages each lowercase word also comes capitalized, as in running
     text: " Word" at a tenth of " word" (a sentence's first word) and "Word" at a fiftieth (a
     paragraph's first word, with no space before it). Chinese and Japanese words come bare: the
     pre-tokenizer keeps a run of their characters in one chunk, and the merges learned on words
@@ -305,7 +306,7 @@ def wordfreq_chunks(langs=("en", "ru", "zh", "ja"), n_words=50_000, mass=10_000_
         total = sum(f for _, f in top)
         for word, f in top:
             n = max(1, round(mass * f / total))
-            if not SPACED[lang]:
+            if lang in UNSPACED:
                 add(word, n)
                 continue
             add(" " + word, n)
