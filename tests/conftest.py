@@ -6,7 +6,16 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from minagent import weights  # noqa: E402
+from minagent import chat, missions, weights  # noqa: E402
+from minagent import tokenizer as tk  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """A BPE of 400 ids trained on 300 generated missions, with minagent's special tokens.
+    (A test module that needs another tokenizer defines its own `tok`, which takes precedence.)"""
+    text = "\n".join(chat.text(m.trace) for m in missions.generate(300, seed=0))
+    return tk.train(text, vocab_size=400, specials=tk.MINAGENT_SPECIALS)
 
 
 @pytest.fixture(scope="session")

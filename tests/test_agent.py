@@ -29,12 +29,6 @@ FMT = chat.MINAGENT
 
 
 @pytest.fixture(scope="module")
-def tok():
-    text = "\n".join(chat.text(m.trace) for m in missions.generate(300, seed=0))
-    return tk.train(text, vocab_size=400, specials=tk.MINAGENT_SPECIALS)
-
-
-@pytest.fixture(scope="module")
 def memorised(tok):
     """A 2-layer model trained on one two-call mission until it knows it by heart."""
     mission = missions.generate(1, seed=3, families=["together"])[0]

@@ -13,21 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-from minagent import chat, missions, model
+from minagent import chat, model
 from minagent import context as cx
-from minagent import tokenizer as tk
 from minagent.batch import Batch
 from minagent.cache import pages_for
 from minagent.context import Message
 
 FMT = chat.MINAGENT
 S = 4                               # a small page size: the kept prefix ends inside a page
-
-
-@pytest.fixture(scope="module")
-def tok():
-    text = "\n".join(chat.text(m.trace) for m in missions.generate(300, seed=0))
-    return tk.train(text, vocab_size=400, specials=tk.MINAGENT_SPECIALS)
 
 
 @pytest.fixture(scope="module")
