@@ -3,9 +3,9 @@
 Each chapter is generated from small word lists, deterministically from (seed, n): the
 same book every time, a different book for another seed, and no chapter to memorise.
 
-    chapter(0, 3)   -> "Chapter 3. In the morning, the keeper walked to the harbour. ...
-                        Far out on the rocks stood a lighthouse. ..."
-    mentions(0, "lighthouse", 1, 10) -> [3, 7, 8]      (say): the gold answer of a mission
+    chapter(0, 3)   -> "Chapter 3. Later, the keeper drove to the garden. ... A red fox ran
+                        across the kitchen. ..."
+    mentions(0, "lighthouse", 1, 10) -> [1, 3, 6]: the gold answer of a mission
 
 A motif (MOTIFS) is a sentence that names it, dropped at a random place in some
 chapters, each motif independently with probability MOTIF_P. Its word ("lighthouse",
@@ -63,7 +63,7 @@ def _check(n):
 
 
 def motifs(seed, n):
-    """The motifs chapter n mentions, in MOTIFS order: motifs(0, 3) -> ("lighthouse",) (say)."""
+    """The motifs chapter n mentions, in MOTIFS order: motifs(0, 3) -> ("lighthouse", "fox")."""
     _check(n)
     rng = random.Random(f"book/{seed}/{n}/motifs")      # str seeds hash with sha512: stable across runs
     return tuple(m for m in MOTIFS if rng.random() < MOTIF_P)

@@ -268,6 +268,9 @@ def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, lim
     """
     from minagent.batch import Batch
 
+    if constraint is not None and constraint.end_id != end_id:
+        raise ValueError(f"end_id {end_id} is not the constraint's end token {constraint.end_id}: "
+                         "constrained answers could never stop")
     limit = limit or max_chars() + 1
     ids = [tok.encode(p) for p in prompts]
     max_len = max(map(len, ids)) + limit

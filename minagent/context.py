@@ -136,6 +136,8 @@ def group_sizes(n, group=GROUP):
     (the provider reusing the work on a start identical to the last request's) would
     never help. In groups of four, the cleared part stays the same for several calls.
     """
+    if group < 1:
+        raise ValueError(f"group={group}: results are cleared at least one at a time")
     return list(range(group, n, group)) + ([n] if n else [])
 
 

@@ -89,11 +89,11 @@ def call(fmt, n):
     return f"{fmt.call}read {n}{fmt.result}"
 
 
-def mission(seed, first, last, motif="lighthouse", sentences=book.SENTENCES, fmt=chat.MINAGENT, system=None):
-    """One mission's gold episode. system: a text put before the question in the first message."""
+def mission(seed, first, last, motif="lighthouse", sentences=book.SENTENCES, fmt=chat.MINAGENT):
+    """One mission's gold episode."""
     question = QUESTION.format(first=first, last=last, what=MOTIF_WORDS[motif])
     gold = book.mentions(seed, motif, first, last)
-    history = [Message("first", question if system is None else f"{system}\n{question}"),
+    history = [Message("first", question),
                Message("model", call(fmt, first))]
     for n in range(first, last + 1):
         history.append(Message("result", book.chapter(seed, n, sentences)))
@@ -103,16 +103,18 @@ def mission(seed, first, last, motif="lighthouse", sentences=book.SENTENCES, fmt
 
 
 def generate(n, seed, lengths=(3, 12), motifs=("lighthouse",), sentences=book.SENTENCES, fmt=chat.MINAGENT,
-             system=None, within=book.N_CHAPTERS):
+             within=book.N_CHAPTERS):
     """n missions of lengths[0] to lengths[1] chapters each: a random stretch of chapters 1..within
     of a random book. (A smaller `within` means fewer chapter numbers for a small model to tell apart.)"""
+    if not 1 <= lengths[0] <= lengths[1] <= within <= book.N_CHAPTERS:
+        raise ValueError(f"lengths={lengths}, within={within}: need 1 <= shortest <= longest <= within "
+                         f"<= {book.N_CHAPTERS} (the book's chapters)")
     out = []
     for i in range(n):
         rng = random.Random(f"reading/{seed}/{i}")          # mission i depends on (seed, i) only
         length = rng.randint(*lengths)
         first = rng.randint(1, within - length + 1)
-        out.append(mission(rng.getrandbits(32), first, first + length - 1, rng.choice(motifs), sentences, fmt,
-                           system))
+        out.append(mission(rng.getrandbits(32), first, first + length - 1, rng.choice(motifs), sentences, fmt))
     return out
 
 
@@ -152,7 +154,7 @@ def scripted(r, budget, count, fitting=context.fit, toolbox=None, fmt=chat.MINAG
             return dict(status="refused", answer=context.REFUSAL_MESSAGE, history=tuple(history), sent=sent,
                         steps=steps, refused_at=f.tokens)
         view = f.view if f is not None else tuple(history)
-        sent.append(sum(map(count, view)))
+        sent.append(f.tokens if f is not None else sum(map(count, view)))
         steps.append(f.step if f is not None else 0)
         message = reader(view, fmt)
         history.append(Message("model", message))

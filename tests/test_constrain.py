@@ -219,6 +219,8 @@ def test_answers_helper():
     texts, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more], END, C, slots=2)
     assert len(texts) == 6 and all(shop.validate(t).ok for t in texts) and all(stopped), texts
     _, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more[:2]], END, limit=3)
+    with pytest.raises(ValueError, match="end token"):      # answers could never stop
+        constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END + 1, C)
     assert stopped == [False, False]          # free answers cut at 3 tokens: the untrained model writes on
 
 

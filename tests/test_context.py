@@ -217,6 +217,8 @@ def test_worked_example():
     f = cx.fit(h, 100, note5, group=1)                     # one at a time: three are enough
     assert (f.step, f.cleared, f.dropped, f.tokens) == (1, (2, 4, 6), (), 97)
     assert cx.group_sizes(10, group=3) == [3, 6, 9, 10] and cx.group_sizes(0) == []
+    with pytest.raises(ValueError, match="group"):
+        cx.group_sizes(10, group=0)
     f = cx.fit(h, 60, note5)                               # all five cleared is 67: drop rounds too
     assert (f.step, f.cleared, f.dropped, f.tokens) == (3, (6, 8, 10), (1, 2, 3, 4), 58)
     assert f.view[:2] == (h[0], NOTE) and f.view[-2:] == h[-2:]

@@ -55,6 +55,9 @@ def test_generate_is_deterministic_and_in_range():
         assert 2 <= r.last - r.first + 1 <= 9 and 1 <= r.first and r.last <= book.N_CHAPTERS
     assert {r.answer == "none" for r in rs} == {True, False}        # both kinds of answer occur
     assert all(r.last <= 12 for r in reading.generate(30, seed=1, lengths=(2, 9), within=12))
+    for lengths, within in (((2, 13), 12), ((0, 3), 20), ((5, 3), 20), ((2, 9), book.N_CHAPTERS + 1)):
+        with pytest.raises(ValueError, match="lengths"):
+            reading.generate(3, seed=1, lengths=lengths, within=within)
 
 
 @pytest.mark.parametrize("budget", [None, 4000, 700, 450, 330])
