@@ -38,13 +38,14 @@ import numpy as np
 
 from minagent import chat, context
 from minagent.batch import Batch
+from minagent.cache import pages_for
 from minagent.context import Message
-from minagent.tools import Toolbox
+from minagent.tools import Toolbox, no_specials
 
 MAX_CALLS = 8
 MAX_STRETCH = 40
 DELEGATE = "delegate"   # the call the loop serves itself: "delegate BRIEF"
-MAX_DEPTH = 1           # sub-agents of sub-agents: none
+MAX_DEPTH = 1           # with subagents=True: sub-agents of sub-agents: none
 MAX_SUBAGENTS = 8       # per episode of `prompts`, its sub-agents' own included
 FITTINGS = {"fit": context.fit, "old": context.old_trim}
 
@@ -79,7 +80,6 @@ class _Episode:
     waiting: int | None = None     # the sub-agent it waits for
     call: str = ""                 # the call it waits on
     calls: list = dataclasses.field(default_factory=list)
-    refills: int = 0
     view_steps: list = dataclasses.field(default_factory=list)
     subagents: list = dataclasses.field(default_factory=list)
 
@@ -98,9 +98,10 @@ def opening(fmt, prompt, system=None):
 def delegation(call, depth, started, max_depth=MAX_DEPTH, max_subagents=MAX_SUBAGENTS):
     """-> (brief, error): ("B", None) to start a sub-agent on brief B, (None, "error: ...") for a
     delegate call over a limit, (None, None) for any other call (the toolbox's)."""
-    name, _, brief = call.strip().partition(" ")
-    if name != DELEGATE:
+    parts = call.split(None, 1)     # as Toolbox._run: "delegate\tRead ch01" -> ["delegate", "Read ch01"]
+    if not parts or parts[0] != DELEGATE:
         return None, None
+    brief = parts[1] if len(parts) == 2 else ""
     if depth >= max_depth:
         return None, f"error: a sub-agent at depth {depth} cannot delegate (max depth {max_depth})"
     if started >= max_subagents:
@@ -117,37 +118,47 @@ def subagent_result(record):
     return f"error: the sub-agent stopped without an answer ({record.status})"
 
 
-def no_specials(text):
-    """No "<|" survives (as in a Toolbox): a text cannot smuggle a special token into the conversation."""
-    return text.replace("<|", "< |")
-
-
 def run(params, cfg, tok, fmt, prompts, toolboxes, *, slots=32, max_calls=MAX_CALLS,
         max_stretch=MAX_STRETCH, cache=True, n_pages=None, page_size=16, max_len=512,
-        temperature=0.0, seed=0, batch=None, system=None, budget=None, fitting="fit", counter=None,
-        max_depth=MAX_DEPTH, max_subagents=MAX_SUBAGENTS, toolbox_for_brief=None):
+        temperature=0.0, seed=0, batch=None, system=None, budget=None, fitting="fit",
+        subagents=False, max_depth=MAX_DEPTH, max_subagents=MAX_SUBAGENTS):
     """Run one episode per prompt -> (records, batch); records[i] is prompt i's, sub-agents' in its .subagents.
 
     A prompt is a question (str; it opens with `system`, e.g. context.INSTRUCTIONS) or a
-    chat.Segment the program writes. toolboxes[i] serves the calls of episode i. A sub-agent
-    opens with `system` and its brief, and uses toolbox_for_brief(brief, its caller's toolbox),
-    or its caller's; a parked caller keeps its pages, so leave n_pages room for sub-agents.
-    With a `budget` (in tokens), the view sent after each result is
-    FITTINGS[fitting](history, budget, counter); the default counter counts exactly the
-    tokens each message is sent as. Pass `batch` to reuse a warm Batch across runs.
+    chat.Segment the program writes. toolboxes[i] serves the calls of episode i. With
+    subagents=True the loop serves one more tool itself, `delegate BRIEF`: a sub-agent that
+    opens with `system` and its brief, and uses its caller's toolbox (limits: max_depth,
+    max_subagents); without, a delegate call goes to the toolbox like any other. With a `budget` (in
+    tokens), the view sent after each result is FITTINGS[fitting](history, budget, count),
+    where count(message) is exactly the number of tokens the message is sent as. Pass `batch`
+    to reuse a warm Batch across runs; the default n_pages leaves room for parked callers.
     """
     call_id, result_id, end_id = tok.special(fmt.call), tok.special(fmt.result), tok.special(fmt.end)
+    if fitting not in FITTINGS:
+        raise ValueError(f"fitting={fitting!r}: expected one of {list(FITTINGS)}")
     fitter = FITTINGS[fitting]
     if batch is None:
-        n_pages = n_pages or slots * (max_len // page_size) + 1
+        # The default pool: room for every sequence that can hold pages at once, each up to max_len, so
+        # none waits for pages while nothing runs to free them. That is at most `slots` sequences in a slot,
+        # plus the parked ones: a caller waiting for its sub-agent keeps its pages without a slot (and after
+        # its resume, until it gets one back). The live episodes of one prompt form a chain (each waits for
+        # one sub-agent at most), and each parked one started a sub-agent, at its own depth < max_depth:
+        # at most min(max_depth, max_subagents) per prompt, and every prompt's can be parked at once (a
+        # freed slot goes to the next queued episode, whoever's). slots=1, 2 prompts, 4 pages of max_len:
+        # (1 + 2 * 1) * 4 + 1 (the null page) = 13 pages. Without sub-agents (the default): slots * 4 + 1.
+        holders = slots + (len(prompts) * min(max_depth, max_subagents) if subagents else 0)
+        n_pages = n_pages or holders * pages_for(max_len, page_size) + 1
         batch = Batch(params, cfg, slots=slots, n_pages=n_pages, page_size=page_size, max_len=max_len,
                       stop_tokens=(end_id,), pause_tokens=(result_id,), cache=cache,
                       temperature=temperature, seed=seed)
     live, records, started = {}, [None] * len(prompts), [0] * len(prompts)
 
-    def begin(key, prompt, toolbox, **where):
+    def opened(prompt):
+        """-> (the history's first message, the tokens the episode opens with)."""
         first, segment = opening(fmt, prompt, system)
-        ids = tok.encode(segment.text)
+        return first, tok.encode(segment.text)
+
+    def begin(key, first, ids, toolbox, **where):
         live[key] = _Episode(batch.add(ids, max_stretch), toolbox, [chat.PROGRAM] * len(ids), (first,),
                              {first: (ids, chat.PROGRAM)}, **where)
 
@@ -182,7 +193,7 @@ def run(params, cfg, tok, fmt, prompts, toolboxes, *, slots=32, max_calls=MAX_CA
         batch.finish(ep.seq)
         record = Record(status, answer, ep.calls, np.asarray(batch.tokens(ep.seq), np.int32),
                         np.asarray(ep.authors, np.uint8), batch.positions[ep.seq], ep.history,
-                        ep.refills, ep.view_steps, ep.subagents, ep.depth)
+                        batch.reprefilled[ep.seq], ep.view_steps, ep.subagents, ep.depth)
         if ep.parent is None:
             records[key] = record
         else:                                                       # the caller reads the outcome
@@ -198,8 +209,7 @@ def run(params, cfg, tok, fmt, prompts, toolboxes, *, slots=32, max_calls=MAX_CA
         ep.history += (Message("result", result),)
         view = ep.history
         if budget is not None:
-            count = counter or (lambda m: len(encoded(ep, m)[0]))
-            fitted = fitter(ep.history, budget, count)
+            fitted = fitter(ep.history, budget, lambda m: len(encoded(ep, m)[0]))
             ep.view_steps.append(fitted.step)
             if fitted.refused:                                      # not retried: it would be refused again
                 return end(key, "refused", context.REFUSAL_MESSAGE)
@@ -212,22 +222,21 @@ def run(params, cfg, tok, fmt, prompts, toolboxes, *, slots=32, max_calls=MAX_CA
         if len(ids) > len(now) and ids[:len(now)] == now:          # the same view, one round longer
             batch.resume(ep.seq, ids[len(now):], max_stretch)
         else:                                                       # a changed view: keep the common start
-            ep.refills += batch.rewrite(ep.seq, ids, max_stretch)
+            batch.rewrite(ep.seq, ids, max_stretch)                 # adds what it pushes again to reprefilled
         ep.authors = [author for tokens, author in sent for _ in tokens]
 
     def delegate(key, ep, call, brief):
-        _, segment = opening(fmt, brief, system)
-        if not batch.fits(len(tok.encode(segment.text)), max_stretch):
+        first, ids = opened(brief)
+        if not batch.fits(len(ids), max_stretch):
             return reply(key, ep, call, "error: the brief is too long")
         started[ep.root] += 1
-        toolbox = toolbox_for_brief(brief, ep.toolbox) if toolbox_for_brief else ep.toolbox
         sub = len(prompts) + sum(started) - 1                       # a key no other episode has
-        begin(sub, brief, toolbox, depth=ep.depth + 1, root=ep.root, parent=key)
+        begin(sub, first, ids, ep.toolbox, depth=ep.depth + 1, root=ep.root, parent=key)
         ep.waiting, ep.call = sub, call
         batch.park(ep.seq)                                          # its slot is free while it waits
 
     for i, (prompt, toolbox) in enumerate(zip(prompts, toolboxes)):
-        begin(i, prompt, toolbox, root=i)
+        begin(i, *opened(prompt), toolbox, root=i)
     while live:
         for key, ep in list(live.items()):
             if key not in live or ep.waiting is not None:          # ended meanwhile, or delegated
@@ -242,7 +251,8 @@ def run(params, cfg, tok, fmt, prompts, toolboxes, *, slots=32, max_calls=MAX_CA
                     end(key, "calls")
                     continue
                 call = written(ep, after=call_id)
-                brief, error = delegation(call, ep.depth, started[ep.root], max_depth, max_subagents)
+                brief, error = (delegation(call, ep.depth, started[ep.root], max_depth, max_subagents)
+                                if subagents else (None, None))
                 if brief is None:
                     reply(key, ep, call, error or ep.toolbox(call))
                 else:

@@ -8,7 +8,7 @@ name, then its arguments, separated by whitespace.
     sort 81 5 23      -> 5 23 81
     lookup Paul age   -> 34          (in this episode's table of sixteen people)
     mul 12 34         -> 408         (never in training data: the unseen tool)
-    read 3            -> "Chapter 3. In the morning, ..."   (chapter 3 of this episode's book: book.py)
+    read 3            -> Chapter 3. Later, the keeper drove to ...   (this episode's book, here book 0: book.py)
 
 A malformed call does not crash the episode: the tool answers a short error the
 model reads like any other result, and may correct itself from.
@@ -63,6 +63,14 @@ def tool(fn):
         except ToolError as e:
             return f"error: {e}"
     return wrapped
+
+
+def no_specials(text):
+    """no_specials("say <|end|>") -> "say < |end|>": no "<|" survives (the inserted " " follows a "<").
+
+    So a text cannot smuggle a special token (`<|end|>`, `<|assistant|>`) into the conversation,
+    where the tokenizer would read it as the real thing."""
+    return text.replace("<|", "< |")
 
 
 def _shown(word, n=16):
@@ -154,10 +162,10 @@ def read(seed, sentences, args):
     words = args.split()
     if len(words) != 1:
         raise ToolError("read takes a chapter number")
-    n = _number(words[0])
-    if not 1 <= n <= book.N_CHAPTERS:
-        raise ToolError(f"no chapter {_shown(words[0])}: the book has chapters 1 to {book.N_CHAPTERS}")
-    return book.chapter(seed, n, sentences)
+    try:
+        return book.chapter(seed, _number(words[0]), sentences)
+    except ValueError as e:                 # "no chapter 41: the book has chapters 1 to 40"
+        raise ToolError(str(e)) from None
 
 
 TOOL_NAMES = ("add", "reverse", "sort", "lookup", "mul")   # the four training tools + mul; `read` is not a default
@@ -202,7 +210,7 @@ class Toolbox:
             result = BUSY
         else:
             result = self._run(call_text)
-        result = result.replace("<|", "< |")   # no "<|" can survive: the inserted "<" is followed by " "
+        result = no_specials(result)
         limit = LIMITS.get((call_text.split() or [""])[0], MAX_RESULT)
         if len(result) > limit:
             result = result[:limit - 3] + "..."

@@ -161,7 +161,7 @@ def test_delegate_answer_becomes_the_result(stok):
     params, cfg = rote_model(stok, "<|call|>delegate sum<|result|>", "<|assistant|>ok<|end|>")
     prompt = chat.Segment(chat.PROGRAM, "<|user|>Add up.<|assistant|><|call|>")   # the model goes on from <|call|>
     (r,), batch = agent.run(params, cfg, stok, FMT, [prompt], [Toolbox(0)], slots=1, max_len=256,
-                            system=cx.INSTRUCTIONS)
+                            system=cx.INSTRUCTIONS, subagents=True)
     assert (r.status, r.answer, r.calls) == ("done", "ok", [("delegate sum", "ok")])
     (sub,) = r.subagents
     assert (sub.status, sub.answer, sub.depth, sub.calls) == ("done", "ok", 1, [])
@@ -176,7 +176,7 @@ def test_delegation_limits(stok):
     """An agent that always delegates: sub-agents cannot delegate (depth 1), and a root starts at most two."""
     params, cfg = rote_model(stok, "<|assistant|><|call|>delegate sum<|result|>")
     (r,), batch = agent.run(params, cfg, stok, FMT, ["Add up."], [Toolbox(0)], slots=2, max_len=256,
-                            max_calls=3, max_subagents=2)
+                            max_calls=3, subagents=True, max_subagents=2)
     depth_error = agent.delegation("delegate sum", 1, 0)[1]
     assert r.status == "calls" and len(r.subagents) == 2
     for sub in r.subagents:
@@ -185,6 +185,52 @@ def test_delegation_limits(stok):
         agent.delegation("delegate sum", 0, 2, max_subagents=2)[1]]
     assert all(result.startswith("error: ") for _, result in r.calls)
     assert batch.pool.n_free == batch.pool.n_pages - 1
+
+
+def test_parked_callers_have_pages_by_default(stok):
+    """Two callers, one slot: both park (pages kept) before either sub-agent runs. The default pool
+    has room for them and the running sequence: (1 slot + 2 parked) x 4 pages, not 1 x 4 (OutOfPages)."""
+    params, cfg = rote_model(stok, "<|call|>delegate sum<|result|>", "<|assistant|>ok<|end|>")
+    prompt = chat.Segment(chat.PROGRAM, "<|user|>Add up.<|assistant|><|call|>")
+    records, batch = agent.run(params, cfg, stok, FMT, [prompt, prompt], [Toolbox(0), Toolbox(1)], slots=1,
+                               max_len=64, subagents=True)
+    for r in records:
+        assert (r.status, r.answer, r.calls) == ("done", "ok", [("delegate sum", "ok")])
+        assert [sub.status for sub in r.subagents] == ["done"]
+    assert batch.pool.n_pages == 1 + (1 + 2) * 4 and batch.pool.n_used == 0
+
+
+def test_a_brief_too_long_is_an_error_for_the_caller(stok):
+    """The sub-agent's opening (INSTRUCTIONS and the brief: 167 tokens) + a stretch > max_len: no sub-agent."""
+    params, cfg = rote_model(stok, "<|call|>delegate sum<|result|>", "<|assistant|>ok<|end|>")
+    prompt = chat.Segment(chat.PROGRAM, "<|user|>Add up.<|assistant|><|call|>")
+    (r,), batch = agent.run(params, cfg, stok, FMT, [prompt], [Toolbox(0)], slots=1, max_len=128,
+                            system=cx.INSTRUCTIONS, subagents=True)
+    assert (r.status, r.answer, r.calls, r.subagents) == ("done", "ok", [("delegate sum",
+                                                                          "error: the brief is too long")], [])
+    assert len(batch.seqs) == 1 and batch.pool.n_used == 0
+
+
+def test_default_pool_holds_a_sequence_of_max_len(stok):
+    """max_len=100, page_size=16: 100 tokens need pages_for(100 - 1, 16) = 7 pages, not 100 // 16 = 6."""
+    params, cfg = rote_model(stok, "<|assistant|>ok<|end|>")
+    n = len(stok.encode(chat.prompt(FMT, "Hi.").text))
+    (r,), batch = agent.run(params, cfg, stok, FMT, ["Hi."], [Toolbox(0)], slots=1, max_len=100,
+                            max_stretch=100 - n)      # no sub-agents (the default): a pool for 1 sequence
+    assert (r.status, r.answer) == ("done", "ok") and batch.pool.n_pages == 1 + 7
+
+
+def test_unknown_fitting_names_the_choices(stok):
+    with pytest.raises(ValueError, match="'fit', 'old'"):
+        agent.run(None, None, stok, FMT, ["Hi."], [Toolbox(0)], budget=100, fitting="new")
+
+
+def test_delegate_is_split_on_any_whitespace():
+    """As Toolbox splits a call: "delegate\tRead ch01" is a delegation, not an unknown tool."""
+    assert agent.delegation("delegate\tRead ch01", 0, 0) == ("Read ch01", None)
+    assert agent.delegation(" delegate\n Read ch01\n", 0, 0) == ("Read ch01", None)
+    assert agent.delegation("delegate\t", 0, 0) == (None, "error: delegate takes a brief")
+    assert agent.delegation("delegates x", 0, 0) == (None, None)
 
 
 def test_delegation_rule():
@@ -275,3 +321,16 @@ def test_old_trimming_refuses_a_single_turn_that_fit_finishes(stok):
     (new,), _ = agent.run(params, cfg, stok, FMT, ["Read every part."], [Parts()], fitting="fit", **kw)
     assert old.status == "refused" and old.view_steps == [0, 0, 0, 0, cx.REFUSED]
     assert new.status == "calls" and len(new.calls) == 8
+
+
+def test_without_subagents_delegate_is_a_toolbox_call(stok):
+    """Sub-agents are opt-in: by default "delegate sum" goes to the toolbox, which has no such tool,
+    and the pool holds the slots' sequences only (no room kept for parked callers)."""
+    params, cfg = rote_model(stok, "<|call|>delegate sum<|result|>", "<|assistant|>ok<|end|>")
+    prompt = chat.Segment(chat.PROGRAM, "<|user|>Add up.<|assistant|><|call|>")
+    records, batch = agent.run(params, cfg, stok, FMT, [prompt, prompt], [Toolbox(0), Toolbox(1)], slots=1,
+                               max_len=256)
+    for r in records:
+        assert (r.status, r.answer, r.subagents) == ("done", "ok", [])
+        assert r.calls == [("delegate sum", Toolbox(0)("delegate sum"))] and r.calls[0][1].startswith("error: ")
+    assert batch.pool.n_pages == 1 + 1 * 16 and len(batch.seqs) == 2

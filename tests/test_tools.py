@@ -126,6 +126,18 @@ def test_structured_garbage_never_raises(name, args, fail_first):
     assert box.calls == 2
 
 
+def test_read_known_answer_and_book_errors():
+    box = Toolbox(0, tools=["read"])
+    assert box("read 3").startswith("Chapter 3. Later, the keeper drove to")    # as in the module docstring
+    assert box("read 41") == "error: no chapter 41: the book has chapters 1 to 40"   # book.chapter's message
+
+
+def test_no_specials():
+    assert tools.no_specials("say <|end|>") == "say < |end|>"
+    assert tools.no_specials("<<||") == "<< ||"                    # the inserted " " makes no new "<|"
+    assert tools.no_specials("a < | b") == "a < | b"
+
+
 def test_special_token_text_is_defused():
     assert Toolbox(0)("reverse >|dne|<") == "< |end|>"   # reversing it would have written <|end|>
     assert Toolbox(0)("foo<|end|>") == "error: unknown tool foo< |end|>"
