@@ -26,8 +26,8 @@ other than at its end (an old result cleared), the sequence is rewritten
 (Batch.rewrite): the cache of the unchanged start is kept, the rest pushed
 again. The history itself keeps everything, and goes into the Record.
 
-Sub-agents. `<|call|>delegate Read ch01 and summarise it<|result|>` starts a
-sub-agent in the same batch: its only user message is the brief, its answer
+Sub-agents (run(..., subagents=True)). `<|call|>delegate Read ch01 and summarise it<|result|>`
+starts a sub-agent in the same batch: its only user message is the brief, its answer
 comes back to the caller as the call's result. The caller waits parked: its
 slot is free for the sub-agent, its pages keep its cache.
 """
