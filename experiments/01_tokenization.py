@@ -10,8 +10,8 @@ writing the call is copying. This script shows the splits under two tokenizers a
 
 Run:
     bash experiments/data/make_corpus.sh          # once: the WordNet corpus (~9 MB)
-    python experiments/01_tokenization.py         # CPU: ~10 s the first time (training), ~3 s once cached
-    python experiments/01_tokenization.py --quick # CPU: ~1 s, 512 pieces on 300 KB (or a built-in text)
+    python experiments/01_tokenization.py         # CPU: ~1.5 min the first time (training both BPEs), ~50 s once cached
+    python experiments/01_tokenization.py --quick # CPU: ~5 s, 512 pieces on 300 KB (or a built-in text)
 Then, for context-window budgets (spec part 2, minagent/context.py): token counts of four samples
 written for minagent (tests/data/scripts/: English, Russian, Chinese, Japanese) by each tokenizer,
 against characters / 4, the spec's by-script estimate and the bounds that err high. A third
@@ -57,20 +57,29 @@ def number_pieces(tok, text):
     return [i for i in tok.encode(text) if any(c.isdigit() for c in tok.decode([i]))]
 
 
+def cached_bpe(path, title, train, retrain):
+    """-> (tokenizer, title): loaded from `path` (git-ignored) if there, else train() and saved there."""
+    if path.exists() and not retrain:
+        return tk.load(path), f"{title} (cached {path.name})"
+    t0 = time.time()
+    tok = train()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tk.save(tok, path)
+    return tok, f"{title} (trained in {time.time() - t0:.1f} s)"
+
+
 def get_minagent_bpe(args):
     if args.quick:
         text = CORPUS.read_text(encoding="utf-8")[:300_000] if CORPUS.exists() else TINY
         return tk.train(text, args.vocab_size), f"minagent BPE, {args.vocab_size} pieces, quick corpus"
-    cached = RESULTS / f"wordnet-bpe-{args.vocab_size}.tok"
-    if cached.exists() and not args.retrain:
-        return tk.load(cached), f"minagent BPE, {args.vocab_size} pieces, WordNet (cached {cached.name})"
-    if not CORPUS.exists():
-        sys.exit(f"{CORPUS} not found: run `bash experiments/data/make_corpus.sh` (or use --quick)")
-    t0 = time.time()
-    tok = tk.train(CORPUS.read_text(encoding="utf-8"), args.vocab_size, progress=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tk.save(tok, cached)
-    return tok, f"minagent BPE, {args.vocab_size} pieces, WordNet (trained in {time.time() - t0:.1f} s)"
+
+    def train():
+        if not CORPUS.exists():
+            sys.exit(f"{CORPUS} not found: run `bash experiments/data/make_corpus.sh` (or use --quick)")
+        return tk.train(CORPUS.read_text(encoding="utf-8"), args.vocab_size, progress=True)
+
+    return cached_bpe(RESULTS / f"wordnet-bpe-{args.vocab_size}.tok",
+                      f"minagent BPE, {args.vocab_size} pieces, WordNet", train, args.retrain)
 
 
 def get_multilingual_bpe(args):
@@ -82,14 +91,8 @@ def get_multilingual_bpe(args):
         return None
     if args.quick:
         return tk.train_counts(tk.wordfreq_chunks(n_words=3000), 2048), "minagent BPE, 2048 pieces, word lists (quick)"
-    cached = RESULTS / "wordfreq-bpe-32768.tok"
-    if cached.exists() and not args.retrain:
-        return tk.load(cached), f"minagent BPE, 32768 pieces, en/ru/zh/ja word lists (cached {cached.name})"
-    t0 = time.time()
-    tok = tk.train_counts(tk.wordfreq_chunks(), 32768, progress=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tk.save(tok, cached)
-    return tok, f"minagent BPE, 32768 pieces, en/ru/zh/ja word lists (trained in {time.time() - t0:.1f} s)"
+    return cached_bpe(RESULTS / "wordfreq-bpe-32768.tok", "minagent BPE, 32768 pieces, en/ru/zh/ja word lists",
+                      lambda: tk.train_counts(tk.wordfreq_chunks(), 32768, progress=True), args.retrain)
 
 
 def count_row(text, tokenizers):
