@@ -1,22 +1,21 @@
 """A paged KV cache: fixed-shape device buffers, and the host's list of free pages.
 
-The keys and values of every sequence live in one pool of P pages of S
+The keys and values of every sequence live in one pool of P pages of Z
 positions each. A sequence owns a list of pages; its page table row maps
-position p to page `table[p // S]`, offset `p % S`:
+position p to page `table[p // Z]`, offset `p % Z`:
 
-    page_size S = 4, pages [7, 2]  ->  positions 0-3 in page 7, 4-7 in page 2
+    page_size Z = 4, pages [7, 2]  ->  positions 0-3 in page 7, 4-7 in page 2
 
 Why pages rather than one [B, max_len] slab per slot? A slab reserves max_len
 positions for every slot whatever its length; pages are handed out as a
 sequence grows and given back when it finishes, so short and long sequences
-share the memory. Shapes still never change: P, S and the table width are
+share the memory. Shapes still never change: P, Z and the table width W are
 fixed, so the jitted steps compile once.
 
 Page 0 is a null page that no sequence owns. Unused page-table entries point
 to it, and writes that must go nowhere (padding, paused or free slots) land in
 it. Its contents are garbage by design; the decode step masks them out.
-
-Shape legend: L layers, P pages, S page size, K key/value heads, H head dim.
+Shape letters: docs/DESIGN.md, "Shape legend".
 """
 
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ NULL_PAGE = 0
 
 
 def init_cache(cfg, n_pages, page_size):
-    """-> {"k": [L, P, S, K, H], "v": [L, P, S, K, H]}, zeros in cfg.dtype. Page 0 is the null page."""
+    """-> {"k": [L, P, Z, K, H], "v": [L, P, Z, K, H]}, zeros in cfg.dtype. Page 0 is the null page."""
     if n_pages < 2:
         raise ValueError(f"n_pages={n_pages}: need at least 2 (page 0 is the null page)")
     shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
@@ -33,7 +32,7 @@ def init_cache(cfg, n_pages, page_size):
 
 
 def pages_for(n_positions, page_size):
-    """Pages needed to hold n positions: ceil(n / S). pages_for(0, 4) == 0, pages_for(5, 4) == 2."""
+    """Pages needed to hold n positions: ceil(n / Z). pages_for(0, 4) == 0, pages_for(5, 4) == 2."""
     return -(-n_positions // page_size)
 
 

@@ -40,6 +40,19 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
+class Message:
+    """One entry of an episode's history, as the agent loop keeps it:
+
+        first   the question (or a sub-agent's brief)        user    a later user turn
+        model   what the model wrote, raw, markers included: "<|call|>add 4821 3907<|result|>"
+        result  a tool result, right after the model message holding its call
+    An application may add kinds of its own; render_message sends them as user turns.
+    """
+    kind: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ChatFormat:
     name: str
     user: str           # opens the prompt
@@ -103,6 +116,21 @@ def tool_round(fmt, call_text, result_text, author=MODEL):
 def answer(fmt, text):
     """The model's last words: answer(MINAGENT, "8728") -> MODEL "8728<|end|>"."""
     return Segment(MODEL, text + fmt.end)
+
+
+def render_message(m, fmt):
+    """One history message -> the Segment sent for it in chat format `fmt`.
+
+    A model message is sent exactly as the model wrote it; a result gets the marker that gives
+    the turn back, as in tool_round; any other message opens a user turn, as prompt() does.
+    (With CHATML that follows the model's "<|im_end|>" without the "\\n" its template puts
+    between turns.)
+    """
+    if m.kind == "model":
+        return Segment(MODEL, m.text)
+    if m.kind == "result":
+        return Segment(PROGRAM, m.text + fmt.assistant)
+    return prompt(fmt, m.text)
 
 
 def text(trace):

@@ -2,111 +2,124 @@
 
 One core function, `extend`, pushes up to T new tokens per row through the
 model, starting at each row's current length, and writes their keys and values
-into the row's pages. Everything else is a use of it:
+into the row's pages. The two jitted steps are uses of it:
 
-    prefill_step   extend with T from a few length buckets (16, 64, 256, ...)
-                   over R rows: prompts and resumed tokens
-    decode_step    extend with T = 1 over all B slots, then sample one token
-                   per slot; n_new = 0 for paused and free slots (the pause mask)
+    prefill_step   extend over B rows of T tokens, T from a few length buckets
+                   (16, 64, 256, ...): prompts, and tokens appended on resume
+    decode_step    extend with T = 1 over every slot, then sample one token per
+                   slot; a slot whose pause mask is off pushes nothing
 
-Shapes are fixed by (R or B, T, page-table width M, cache size), so after the
+Shapes are fixed by (B, T, the page-table width W, the cache), so after the
 first call of each bucket nothing recompiles, whatever the sequences' lengths.
 
-A row with n_new == 0, and every padding position t >= n_new, writes its K/V to
-the null page 0 and nowhere else: a paused sequence's pages stay bit-identical
-while the others step.
-
-Shape legend (as in model.py, plus): R rows   B slots   T new tokens per row
-    P pages   S page size   M pages per row (page-table width)
-    MS = M*S key positions of a row's gathered pages
+A row with n_new == 0, and every padding position t >= n_new, writes its K/V
+to the null page and nowhere else: a paused sequence's pages stay bit-identical
+while the others step (docs/DESIGN.md, "The pause mask").
+Shape letters: docs/DESIGN.md, "Shape legend".
 """
 
 import collections
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minagent import model
 from minagent.cache import NULL_PAGE
 
-# How many times each jitted step was traced (= compiled): a trace runs this
-# Python body once, a cached compile does not. The tests count these to show
-# that nothing recompiles after warm-up.
+# How many times each jitted step was traced (= compiled): a trace runs the
+# Python body once, a cached compile does not. Tests count these to show that
+# nothing recompiles after warm-up.
 TRACES = collections.Counter()
 
 
-def n_traces():
-    return sum(TRACES.values())
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """What the decode step reads of each of the B slots, and returns one token later.
+
+    A free, paused or finished slot has active False: it pushes nothing, and
+    its pending token and length stay as they are.
+    """
+    tokens_B: jax.Array         # int32 [B]     the pending token: pushed this step, at position lengths_B
+    lengths_B: jax.Array        # int32 [B]     positions already in the cache
+    active_B: jax.Array         # bool  [B]     the pause mask: True for the slots that advance
+    seeds_B: jax.Array          # int32 [B]     each sequence's sampling stream
+    page_table_BxW: jax.Array   # int32 [B, W]  each slot's pages in order, NULL_PAGE past its last
+
+    @classmethod
+    def idle(cls, B, W):
+        """B slots on the host, none active, every page-table entry the null page."""
+        zeros_B = np.zeros(B, np.int32)
+        return cls(zeros_B, zeros_B.copy(), np.zeros(B, bool), zeros_B.copy(), np.zeros((B, W), np.int32))
 
 
-def extend(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_RxM):
-    """Push tokens_RxT[r, :n_new_R[r]] at positions start_R[r], start_R[r] + 1, ... of row r.
+def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+    """Push tokens_BxT[b, :n_new_B[b]] at positions start_B[b], start_B[b] + 1, ... of row b.
 
-    Returns (logits_RxV of each row's last new token, the updated cache).
+    Returns (logits_BxV of each row's last new token, the updated cache).
     Rows with n_new == 0 get meaningless (finite) logits and change nothing
     but the null page.
     """
-    R, T = tokens_RxT.shape
-    M = page_table_RxM.shape[1]
-    S, K, H = cache["k"].shape[2:]
-    MS = M * S
+    B, T = tokens_BxT.shape
+    W = page_table_BxW.shape[1]
+    Z, K, H = cache["k"].shape[2:]
+    S = W * Z                     # key positions: every position of the row's gathered pages
 
-    positions_RxT = start_R[:, None] + jnp.arange(T)
-    is_new_RxT = jnp.arange(T) < n_new_R[:, None]
-    # Where each new token's K/V goes: page table[p // S], offset p % S; padding -> null page.
+    positions_BxT = start_B[:, None] + jnp.arange(T)
+    is_new_BxT = jnp.arange(T) < n_new_B[:, None]
+    # Where each new token's K/V goes: page table[p // Z], offset p % Z; padding -> null page.
     # (The clip only matters for padding positions past the table, which go to page 0 anyway.)
-    table_page_RxT = jnp.take_along_axis(page_table_RxM, jnp.minimum(positions_RxT // S, M - 1), axis=1)
-    page_RxT = jnp.where(is_new_RxT, table_page_RxT, NULL_PAGE)
-    offset_RxT = positions_RxT % S
+    table_page_BxT = jnp.take_along_axis(page_table_BxW, jnp.minimum(positions_BxT // Z, W - 1), axis=1)
+    page_BxT = jnp.where(is_new_BxT, table_page_BxT, NULL_PAGE)
+    offset_BxT = positions_BxT % Z
 
-    # Key j of the gathered pages is position j of the row. A query at position p
-    # sees keys j <= p (causal, inside the chunk too) that the row really holds
-    # (j < its new length). The rest of the gathered pages may be anything,
+    # Key s of the gathered pages is position s of the row. A query at position p
+    # sees keys s <= p (causal, inside the chunk too) that the row really holds
+    # (s < its new length). The rest of the gathered pages may be anything,
     # even NaN: the mask drops their scores, and zeroing their values keeps
     # softmax's 0 * NaN = NaN from leaking in.
-    length_R = start_R + n_new_R
-    key_pos_MS = jnp.arange(MS)
-    holds_RxMS = key_pos_MS < length_R[:, None]
-    mask_RxTxMS = (key_pos_MS <= positions_RxT[:, :, None]) & holds_RxMS[:, None, :]
+    length_B = start_B + n_new_B
+    key_pos_S = jnp.arange(S)
+    holds_BxS = key_pos_S < length_B[:, None]
+    mask_BxTxS = (key_pos_S <= positions_BxT[:, :, None]) & holds_BxS[:, None, :]
 
     def layer(carry, lp_and_l):
-        x_RxTxD, k_LxPxSxKxH, v_LxPxSxKxH = carry
+        x_BxTxD, k_LxPxZxKxH, v_LxPxZxKxH = carry
         lp, l = lp_and_l
-        q_RxTxNxH, k_RxTxKxH, v_RxTxKxH = model.qkv(lp, cfg, x_RxTxD, positions_RxT)
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = model.qkv(lp, cfg, x_BxTxD, positions_BxT)
         # Write first, then read the row's pages back: the chunk attends to itself through the cache.
         # The cache is carried from layer to layer, so XLA updates it in place (no per-layer copies).
-        k_LxPxSxKxH = k_LxPxSxKxH.at[l, page_RxT, offset_RxT].set(k_RxTxKxH.astype(k_LxPxSxKxH.dtype))
-        v_LxPxSxKxH = v_LxPxSxKxH.at[l, page_RxT, offset_RxT].set(v_RxTxKxH.astype(v_LxPxSxKxH.dtype))
-        keys_RxMSxKxH = k_LxPxSxKxH[l][page_table_RxM].reshape(R, MS, K, H)
-        values_RxMSxKxH = v_LxPxSxKxH[l][page_table_RxM].reshape(R, MS, K, H)
-        values_RxMSxKxH = jnp.where(holds_RxMS[:, :, None, None], values_RxMSxKxH, 0)
-        attn_RxTxNH = model.attend(q_RxTxNxH, keys_RxMSxKxH, values_RxMSxKxH, mask_RxTxMS)
-        return (model.finish_layer(lp, cfg, x_RxTxD, attn_RxTxNH), k_LxPxSxKxH, v_LxPxSxKxH), None
+        k_LxPxZxKxH = k_LxPxZxKxH.at[l, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxPxZxKxH.dtype))
+        v_LxPxZxKxH = v_LxPxZxKxH.at[l, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxPxZxKxH.dtype))
+        keys_BxSxKxH = k_LxPxZxKxH[l][page_table_BxW].reshape(B, S, K, H)
+        values_BxSxKxH = v_LxPxZxKxH[l][page_table_BxW].reshape(B, S, K, H)
+        values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
+        attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
+        return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH), k_LxPxZxKxH, v_LxPxZxKxH), None
 
-    carry = (model.embed(params, tokens_RxT), cache["k"], cache["v"])
+    carry = (model.embed(params, tokens_BxT), cache["k"], cache["v"])
     if isinstance(params["layers"], list):     # unstack_layers(params): one layer after another, in place
         for l, lp in enumerate(params["layers"]):
             carry, _ = layer(carry, (lp, l))
     else:                                       # stacked [L, ...] weights: a scan over the layers
         carry, _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(cfg.n_layers)))
-    x_RxTxD, k, v = carry
-    last_R = jnp.maximum(n_new_R - 1, 0)
-    x_last_Rx1xD = jnp.take_along_axis(x_RxTxD, last_R[:, None, None], axis=1)
-    logits_RxV = model.unembed(params, cfg, x_last_Rx1xD)[:, 0]
-    return logits_RxV, {"k": k, "v": v}
+    x_BxTxD, k, v = carry
+    last_B = jnp.maximum(n_new_B - 1, 0)
+    x_last_Bx1xD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
+    logits_BxV = model.unembed(params, cfg, x_last_Bx1xD)[:, 0]
+    return logits_BxV, {"k": k, "v": v}
 
 
 def unstack_layers(params):
     """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params with
-    "layers" a list of L per-layer dicts. Batch does this once; extend accepts both layouts.
+    "layers" a list of L per-layer dicts. The Batch does this once; extend accepts both layouts.
 
-    Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at every
-    step, and on CPU that slice is a copy (14 MB per SmolLM2 layer): about a third of a batch-1
-    decode step (benchmarks/bench_decode.py). Separate arrays are read where they lie. The price:
-    the step is traced layer by layer, so it compiles more slowly for deep models: SmolLM2's
-    30-layer decode step takes 3.3 s to trace and compile against 0.5 s for the scan, and then
-    steps 10 % faster at batch 8 (benchmarks/bench_compile.py).
+    Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at
+    every step, and on CPU that slice is a copy. Separate arrays are read where they lie. The
+    price: the step is traced layer by layer, so a deep model compiles more slowly.
     """
     layers = params["layers"]
     if isinstance(layers, list):
@@ -115,10 +128,10 @@ def unstack_layers(params):
     return {**params, "layers": [jax.tree.map(lambda a: a[l], layers) for l in range(n_layers)]}
 
 
-def sample(logits_BxV, seq_seed_B, position_B, temperature=0.0, top_k=0):
+def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
     """One token per row: argmax if temperature == 0, else softmax(logits / temperature) over the top_k.
 
-    Row b draws with key fold_in(fold_in(PRNGKey(0), seq_seed_B[b]), position_B[b]):
+    Row b draws with key fold_in(fold_in(PRNGKey(0), seeds_B[b]), positions_B[b]):
     a sequence's draws depend on its own seed and position only, not on its
     slot or on what else is in the batch. temperature and top_k are Python
     numbers (static under jit: a Batch keeps one setting, so one compile).
@@ -130,7 +143,7 @@ def sample(logits_BxV, seq_seed_B, position_B, temperature=0.0, top_k=0):
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
         logits_BxV = jnp.where(logits_BxV >= kth_Bx1, logits_BxV, -jnp.inf)
     root = jax.random.PRNGKey(0)
-    keys_B = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(root, s), p))(seq_seed_B, position_B)
+    keys_B = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(root, s), p))(seeds_B, positions_B)
     return jax.vmap(jax.random.categorical)(keys_B, logits_BxV).astype(jnp.int32)
 
 
@@ -144,27 +157,29 @@ def mask_logits(logits_BxV, allowed_BxV):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_step(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_RxM):
-    """extend over R rows of T tokens -> the updated cache (the logits are not needed: XLA drops them)."""
-    TRACES["prefill", tokens_RxT.shape] += 1
-    _, cache = extend(params, cfg, cache, tokens_RxT, start_R, n_new_R, page_table_RxM)
+def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+    """extend over B rows of T tokens -> the updated cache (the logits are not needed: XLA drops them)."""
+    TRACES["prefill", tokens_BxT.shape, page_table_BxW.shape] += 1
+    _, cache = extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
     return cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k"), donate_argnames=("cache",))
-def decode_step(params, cfg, cache, tokens_B, lengths_B, active_B, page_table_BxM, seeds_B,
-                temperature=0.0, top_k=0, allowed_BxV=None):
-    """Push each active slot's one pending token, sample the next -> (next_B, logits_BxV, cache).
+def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None):
+    """Push each active slot's pending token and sample the next -> (slots one token later, logits_BxV, cache).
 
-    active_B is the pause mask: slots that are paused, finished or free push
-    nothing (their n_new is 0) and their cache pages are left untouched.
-    The sampled token sits at position lengths_B + 1.
-    allowed_BxV (bool, optional: constrain.py's token masks) limits what each row may sample;
-    None compiles the step without it. The returned logits are the model's, unmasked.
+    In the returned Slots an active slot's pending token is the one just sampled,
+    at position lengths_B + 1; the other slots are as they were. allowed_BxV
+    (bool, optional) limits what each row may sample: a sequence's token mask
+    (Batch.add's `mask`); None compiles the step without it. The returned logits
+    are the model's, unmasked.
     """
-    TRACES["decode", tokens_B.shape, page_table_BxM.shape] += 1
-    n_new_B = active_B.astype(jnp.int32)
-    logits_BxV, cache = extend(params, cfg, cache, tokens_B[:, None], lengths_B, n_new_B, page_table_BxM)
+    TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None] += 1
+    n_new_B = slots.active_B.astype(jnp.int32)
+    logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B, n_new_B,
+                               slots.page_table_BxW)
     masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
-    next_B = sample(masked_BxV, seeds_B, lengths_B + 1, temperature, top_k)
-    return next_B, logits_BxV, cache
+    next_B = sample(masked_BxV, slots.seeds_B, slots.lengths_B + 1, temperature, top_k)
+    later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),
+                                lengths_B=slots.lengths_B + n_new_B)
+    return later, logits_BxV, cache

@@ -265,7 +265,7 @@ def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGEN
     """Learn the merges from chunks already split and counted: {" the": 537, " cat": 2, ...}.
 
     `train` counts a text's chunks and calls this; a corpus that comes as word frequencies
-    instead of running text (wordfreq_chunks) calls it directly. Each chunk should be one
+    instead of running text (tasks/context/count.py's wordfreq_chunks) calls it directly. Each chunk should be one
     the pattern would cut: merges learned inside it are applied chunk by chunk when encoding."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size counts the 256 byte pieces, so it must be >= 256, got {vocab_size}")
@@ -275,46 +275,6 @@ def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGEN
     for a, b in merges:
         pieces.append(pieces[a] + pieces[b])
     return add_special_tokens(Tokenizer(tuple(pieces), tuple(merges), {}, pattern), specials)
-
-
-# Languages written without spaces between words: their words are chunks as they are; the words of
-# every other language get a leading space, " word", as the pre-tokenizer cuts them from running text.
-UNSPACED = ("zh", "ja", "th")
-
-
-def wordfreq_chunks(langs=("en", "ru", "zh", "ja"), n_words=50_000, mass=10_000_000, pattern=GPT2_PATTERN):
-    """A multilingual corpus without running text: each language's n_words most frequent words from
-    the `wordfreq` package, counted in proportion to their frequency, every language the same `mass`.
-
-    wordfreq folds case, so for spaced languages each lowercase word also comes capitalized, as in running
-    text: " Word" at a tenth of " word" (a sentence's first word) and "Word" at a fiftieth (a
-    paragraph's first word, with no space before it). Chinese and Japanese words come bare: the
-    pre-tokenizer keeps a run of their characters in one chunk, and the merges learned on words
-    apply inside it. A corpus like this has no punctuation or digit runs, so those stay bytes."""
-    try:
-        import wordfreq
-    except ImportError as e:
-        raise ImportError("wordfreq_chunks needs the wordfreq package: pip install -e '.[test]'") from e
-    split, chunks = regex.compile(pattern), Counter()
-
-    def add(text, n):   # a word like "don't" is two chunks, "don" and "'t"
-        for chunk in split.findall(text):
-            chunks[chunk] += n
-
-    for lang in langs:
-        top = sorted(wordfreq.get_frequency_dict(lang, wordlist="large").items(), key=lambda kv: -kv[1])[:n_words]
-        total = sum(f for _, f in top)
-        for word, f in top:
-            n = max(1, round(mass * f / total))
-            if lang in UNSPACED:
-                add(word, n)
-                continue
-            add(" " + word, n)
-            if word[:1].islower():
-                title = word[:1].upper() + word[1:]
-                add(" " + title, max(1, round(n / 10)))
-                add(title, max(1, round(n / 50)))
-    return chunks
 
 
 # ---------------------------------------------------------------- files

@@ -8,7 +8,6 @@ name, then its arguments, separated by whitespace.
     sort 81 5 23      -> 5 23 81
     lookup Paul age   -> 34          (in this episode's table of sixteen people)
     mul 12 34         -> 408         (never in training data: the unseen tool)
-    read 3            -> Chapter 3. Later, the keeper drove to ...   (this episode's book, here book 0: book.py)
 
 A malformed call does not crash the episode: the tool answers a short error the
 model reads like any other result, and may correct itself from.
@@ -16,24 +15,19 @@ model reads like any other result, and may correct itself from.
     add 4821          -> error: add takes two numbers
     add 4x 3          -> error: not a number: 4x
     lookup Zed age    -> error: unknown person Zed
-    read 41           -> error: no chapter 41: the book has chapters 1 to 40
     foo 1             -> error: unknown tool foo
 
 Each tool takes the argument text (everything after the name) and returns a string.
 Inside a tool a malformed argument raises ToolError; the `@tool` decorator turns
 it into that `error: ...` string, so callers of a tool never see an exception.
+An application brings tools of its own to a Toolbox (tasks/context: `read`).
 """
 
 import functools
 import random
 import re
 
-from minagent import book
-
-MAX_RESULT = 64    # a Toolbox result is at most this many characters: one tool call must not flood the context
-# ...except for the tools in LIMITS, whose whole point is a long result. A chapter must come back whole:
-# cutting it would hide its end, motif included. Keeping long results in the budget is context.fit's job.
-LIMITS = {"read": 4000}
+MAX_RESULT = 64    # a result is at most this many characters (by default): one call must not flood the context
 MAX_DIGITS = 20    # a longer number is refused: "add" of two such numbers still fits in MAX_RESULT
 MAX_SORT = 16      # sort at most this many numbers
 BUSY = "error: tool busy, try again"   # what fail_first answers to the first call of an episode
@@ -78,7 +72,7 @@ def _shown(word, n=16):
     return word if len(word) <= n else word[:n] + "..."
 
 
-def _number(word):
+def number(word):
     """"4821" -> 4821. Only plain ASCII decimals (int() would also accept "٤", "1_000" and " 7")."""
     if not re.fullmatch(r"-?[0-9]+", word):
         raise ToolError(f"not a number: {_shown(word)}")
@@ -91,7 +85,7 @@ def _two_numbers(name, args):
     words = args.split()
     if len(words) != 2:
         raise ToolError(f"{name} takes two numbers")
-    return _number(words[0]), _number(words[1])
+    return number(words[0]), number(words[1])
 
 
 @tool
@@ -125,7 +119,7 @@ def sort(args):
         raise ToolError("sort takes numbers")
     if len(words) > MAX_SORT:
         raise ToolError(f"sort takes at most {MAX_SORT} numbers")
-    return " ".join(str(x) for x in sorted(_number(w) for w in words))
+    return " ".join(str(x) for x in sorted(number(w) for w in words))
 
 
 def people_table(seed):
@@ -156,64 +150,42 @@ def lookup(table, args):
     raise ToolError(f"unknown person {_shown(name)}")
 
 
-@tool
-def read(seed, sentences, args):
-    """read(0, 12, "3") -> chapter 3 of book 0, whole: "Chapter 3. Later, the keeper drove to the garden. ..." """
-    words = args.split()
-    if len(words) != 1:
-        raise ToolError("read takes a chapter number")
-    try:
-        return book.chapter(seed, _number(words[0]), sentences)
-    except ValueError as e:                 # "no chapter 41: the book has chapters 1 to 40"
-        raise ToolError(str(e)) from None
-
-
-TOOL_NAMES = ("add", "reverse", "sort", "lookup", "mul")   # the four training tools + mul; `read` is not a default
+def calculator(seed):
+    """The tools of the first design document, with the people table of `seed`: name -> function."""
+    return {"add": add, "reverse": reverse, "sort": sort, "lookup": functools.partial(lookup, people_table(seed)),
+            "mul": mul}
 
 
 class Toolbox:
-    """The tools of one episode: its people table, its call counter, and an optional transient failure.
+    """The tools of one episode, its call counter, and an optional transient failure.
 
-        box = Toolbox(seed=7)
+        box = Toolbox(seed=7)       # the calculator's tools, people table 7
         box("add 4821 3907")        -> "8728"
         box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is not in table 7
         box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
 
-    Calling a Toolbox never raises, whatever the text, and its answer is at most
-    MAX_RESULT characters (LIMITS[name] for a tool listed there: `read` returns a whole
-    chapter). Answers never contain "<|": a result cannot smuggle a
-    special token (`<|end|>`, `<|assistant|>`) into the conversation, where the
+    tools: name -> function (default calculator(seed); () for none at all, which makes every
+    call an error: the control that must answer without tools). Calling a Toolbox never raises,
+    whatever the text, and its answer is at most max_result characters and never contains "<|":
+    a result cannot smuggle a special token (`<|end|>`) into the conversation, where the
     tokenizer would read it as the real thing.
 
     fail_first=True: the first call of the episode answers BUSY, whatever it is; the
     next calls work normally. This measures whether the model tries again.
-    tools: the names available in this episode (default: all of TOOL_NAMES; `read` must be asked for,
-    Toolbox(seed, tools=["read"]), and reads book `seed` with chapters of `sentences` sentences).
     """
 
-    def __init__(self, seed, fail_first=False, tools=None, sentences=book.SENTENCES):
-        self.seed, self.fail_first = seed, fail_first
-        self.table = people_table(seed)
-        every = {"add": add, "reverse": reverse, "sort": sort, "mul": mul,
-                 "lookup": functools.partial(lookup, self.table), "read": functools.partial(read, seed, sentences)}
-        names = TOOL_NAMES if tools is None else tuple(tools)
-        unknown = set(names) - set(every)
-        if unknown:
-            raise ValueError(f"no such tools: {sorted(unknown)}; there are {list(every)}")
-        self.tools = {n: every[n] for n in names}
+    def __init__(self, seed=0, *, tools=None, fail_first=False, max_result=MAX_RESULT):
+        self.tools = calculator(seed) if tools is None else dict(tools)
+        self.fail_first, self.max_result = fail_first, max_result
         self.calls = 0
         self.log = []       # [(call text, result)] in order
 
     def __call__(self, call_text):
         self.calls += 1
-        if self.fail_first and self.calls == 1:
-            result = BUSY
-        else:
-            result = self._run(call_text)
+        result = BUSY if self.fail_first and self.calls == 1 else self._run(call_text)
         result = no_specials(result)
-        limit = LIMITS.get((call_text.split() or [""])[0], MAX_RESULT)
-        if len(result) > limit:
-            result = result[:limit - 3] + "..."
+        if len(result) > self.max_result:
+            result = result[:self.max_result - 3] + "..."
         self.log.append((call_text, result))
         return result
 

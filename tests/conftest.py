@@ -1,13 +1,20 @@
-"""Shared fixtures. Tests run on CPU, hermetic: no network, tmp_path for files."""
+"""Shared fixtures. Tests run on CPU, hermetic: no network, tmp_path for files.
+
+tests/engine/ tests the engine (minagent/*.py), tests/tasks/ the applications
+(minagent/tasks/), tests/experiments/ the experiment scripts' --quick runs.
+"""
 
 import os
 
+import jax
+import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from minagent import chat, missions, weights  # noqa: E402
+from minagent import chat, model, weights  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
+from minagent.tasks.calculator import missions  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +26,13 @@ def tok():
 
 
 @pytest.fixture(scope="session")
+def stok():
+    """The same with "delegate" learned too: a rote model needs each script token to be distinct."""
+    text = "\n".join(chat.text(m.trace) for m in missions.generate(300, seed=0))
+    return tk.train(text + " delegate" * 300, vocab_size=400, specials=tk.MINAGENT_SPECIALS)
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path to SmolLM2-135M-Instruct.Q4_1.gguf, or skip the test with the command that fetches it."""
     path = weights.smollm2_path()
@@ -26,3 +40,39 @@ def smollm2_gguf():
         pytest.skip(f"SmolLM2 weights not found at {path}; fetch them with `python -m minagent.weights fetch` "
                     f"(or set MINAGENT_SMOLLM2 to the .gguf file)")
     return path
+
+
+def rote_model(tok, *scripts):
+    """Params of a transformer that, greedily, writes after token a the token that follows a in `scripts`.
+
+    The layers add nothing (their output projections are zero), so the last position's logits
+    depend on its token only: token a is embedded as the one-hot of its state s(a), and the head
+    maps state s(a) to the token that follows a. rote_model(tok, "<|assistant|>ok<|end|>") answers
+    "ok<|end|>" to any prompt that ends with <|assistant|>. It runs through the real Batch, cache
+    and decode step, so the loop can be tested on exact, known episodes.
+    """
+    rules = {}
+    for script in scripts:
+        ids = tok.encode(script)
+        for a, b in zip(ids, ids[1:]):
+            assert rules.setdefault(a, b) == b, f"{tok.decode([a])!r} is followed by two different tokens"
+    D = 16                                          # one config for every script: its steps compile once
+    assert len(rules) < D, "a state per rule, and state 0"
+    cfg = model.Config(vocab_size=tok.n_vocab, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8,
+                       tie_embeddings=False)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    layers = dict(params["layers"], wo=0 * params["layers"]["wo"], w_down=0 * params["layers"]["w_down"])
+    state = {a: s for s, a in enumerate(rules, 1)}                  # state 0: every other token
+    embed_VxD = np.zeros((cfg.vocab_size, D), np.float32)
+    embed_VxD[np.arange(cfg.vocab_size), [state.get(a, 0) for a in range(cfg.vocab_size)]] = 1
+    unembed_DxV = np.zeros((D, cfg.vocab_size), np.float32)
+    for a, b in rules.items():
+        unembed_DxV[state[a], b] = 10.0
+    return dict(params, layers=layers, embed=jax.numpy.asarray(embed_VxD),
+                unembed=jax.numpy.asarray(unembed_DxV)), cfg
+
+
+@pytest.fixture(scope="session")
+def rote():
+    """rote_model, for tests: rote(tok, script, ...) -> (params, cfg)."""
+    return rote_model

@@ -1,0 +1,197 @@
+"""The agent loop: the design documents' baseline test, budgets, no recompilation, the view hook.
+
+    python -m pytest tests/engine/test_agent.py -q
+
+The baseline: a tiny two-layer model trained on a single trace until it knows
+it by heart replays it identically in the loop (call, result and answer
+included), with and without the cache.
+
+The loop's edges run on a rote model (conftest.rote_model): a transformer whose
+weights make it write a fixed script, so the episodes are known exactly. A view
+that changes an old result must reuse the cache of everything before it; the
+stored history keeps everything; a refusing view ends the episode; past max_len
+an episode ends, it does not raise.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from minagent import agent, chat, model, train
+from minagent.chat import Message
+from minagent.tasks.calculator import missions
+from minagent.tools import Toolbox
+
+FMT = chat.MINAGENT
+
+
+@pytest.fixture(scope="module")
+def memorised(tok):
+    """A 2-layer model trained on one two-call mission until it knows it by heart."""
+    mission = missions.generate(1, seed=3, families=["together"])[0]
+    tokens, authors = chat.render(mission.trace, tok)
+    cfg = model.Config(vocab_size=tok.n_vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    tcfg = train.TrainConfig(steps=300, batch_size=1, seq_len=len(tokens), lr=1e-2, warmup=10,
+                             weight_decay=0.0)
+    params, history = train.train(params, cfg, [(tokens, authors)], tcfg, progress=False)
+    assert history[-1]["loss"] < 0.01
+    return mission, tokens, authors, params, cfg
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_memorised_trace_replays_identically(tok, memorised, cache):
+    mission, tokens, authors, params, cfg = memorised
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128, cache=cache)
+    (r,) = agent.run(batch, tok, FMT, [mission.trace[0]], [Toolbox(mission.seed)])
+    assert r.status == "done"
+    np.testing.assert_array_equal(r.tokens, tokens)       # call, result and answer included
+    np.testing.assert_array_equal(r.authors, authors)     # and who wrote each token
+    assert r.answer == mission.answer
+    assert [call for call, _ in r.calls] == list(mission.calls)
+    assert batch.pool.n_used == 0                          # every page went back
+
+
+def test_cache_pushes_each_position_once(tok, memorised):
+    """With the cache every token goes through the model once; without it, each resume re-reads the episode."""
+    mission, tokens, _, params, cfg = memorised
+    positions = {}
+    for cache in (True, False):
+        batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128, cache=cache)
+        (r,) = agent.run(batch, tok, FMT, [mission.trace[0]], [Toolbox(mission.seed)])
+        positions[cache] = r.positions
+    # every token but the last (<|end|>, sampled and never fed back) went through the model once
+    assert positions[True] == len(tokens) - 1
+    assert positions[False] > positions[True]
+
+
+def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
+    """100 episodes of varied lengths on a random-weights model: budgets hold, nothing recompiles."""
+    cfg = model.Config(vocab_size=tok.n_vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    params = model.init(jax.random.PRNGKey(1), cfg)
+    ms = missions.generate(120, seed=7)
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=256, temperature=1.0)
+    limits = dict(max_calls=3, max_stretch=12)
+    warm = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[:20]], [Toolbox(m.seed) for m in ms[:20]], **limits)
+    batch.warmup()          # compiles every (bucket, page-table width) shape the batch can use
+    compiles = batch.compiles
+    records = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[20:]], [Toolbox(m.seed) for m in ms[20:]],
+                        **limits)
+    assert batch.compiles == compiles
+    assert batch.pool.n_used == 0
+    for r in warm + records:
+        assert r.status in ("done", "stretch", "calls")
+        assert len(r.calls) <= 3
+        # no stretch of model-written tokens is longer than the budget
+        runs = np.diff(np.flatnonzero(np.diff(np.r_[0, r.authors, 0])))[::2]
+        assert runs.max(initial=0) <= 12
+    assert {r.status for r in warm + records} >= {"stretch"}
+
+
+# ---------------------------------------------------------------- a model that writes by rote
+
+def test_rote_model_writes_its_script(stok, rote):
+    params, cfg = rote(stok, "<|assistant|>ok<|end|>")
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=256)
+    (r,) = agent.run(batch, stok, FMT, ["Hi."], [Toolbox(0)])
+    assert (r.status, r.answer, r.calls) == ("done", "ok", [])
+    assert r.history == (Message("first", "Hi."), Message("model", "ok<|end|>"))
+
+
+READER = "<|assistant|><|call|>cat x<|result|>"     # reads part after part, forever
+
+
+def part(n):
+    """A long tool result (184 tokens for stok)."""
+    return f"part {n}: " + " ".join(str(100 + 7 * j) for j in range(60))
+
+
+class Parts:
+    """A toolbox whose n-th call returns part(n), whatever the call."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, call):
+        self.n += 1
+        return part(self.n)
+
+
+SHORT = Message("result", "[gone]")
+
+
+def older_results_shortened(history, count):
+    """A view that sends every result but the newest as SHORT: the start of the view changes."""
+    newest = max(i for i, m in enumerate(history) if m.kind == "result")
+    return tuple(SHORT if m.kind == "result" and i < newest else m for i, m in enumerate(history))
+
+
+def test_the_view_is_sent_its_common_start_reused_and_the_history_kept(stok, rote):
+    params, cfg = rote(stok, READER)
+    render = lambda view: list(chat.render([chat.render_message(m, FMT) for m in view], stok)[0])  # noqa: E731
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=2, max_len=1024)
+    (plain,) = agent.run(batch, stok, FMT, ["Read every part."], [Parts()], max_calls=4)
+    (short,) = agent.run(batch, stok, FMT, ["Read every part."], [Parts()], max_calls=4,
+                         view=older_results_shortened)
+    assert plain.status == short.status == "calls" and plain.history == short.history   # the history: everything
+    assert plain.refills == 0 and plain.positions == len(plain.tokens) - 1
+    assert list(short.tokens) == render(older_results_shortened(short.history[:-1], None) + short.history[-1:])
+    # After the first result, each view changes the result before the newest: the start up to the model's
+    # call before it is reused, the rest pushed again (the changed result, the call, the new result).
+    refills = 0
+    for j in [i for i, m in enumerate(short.history) if m.kind == "result"][1:]:
+        view = older_results_shortened(short.history[:j + 1], None)
+        refills += len(render(view)) - len(render(view[:j - 2]))
+    assert short.refills == refills > 0
+    assert batch.pool.n_used == 0
+
+
+def test_a_refusing_view_ends_the_episode(stok, rote):
+    params, cfg = rote(stok, READER)
+
+    def refuse(history, count):
+        raise agent.Refused("too long")
+
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=512)
+    (r,) = agent.run(batch, stok, FMT, ["Read every part."], [Parts()], view=refuse)
+    assert (r.status, r.answer, len(r.calls)) == ("refused", "too long", 1)
+    assert r.history[-1] == Message("result", part(1)) and batch.pool.n_used == 0
+
+
+def test_past_max_len_an_episode_ends_and_loses_nothing(stok, rote):
+    params, cfg = rote(stok, READER)
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=512)
+    (r,) = agent.run(batch, stok, FMT, ["Read every part."], [Parts()])
+    render = lambda view: list(chat.render([chat.render_message(m, FMT) for m in view], stok)[0])  # noqa: E731
+    assert r.status == "max_len"
+    assert [m.text for m in r.history if m.kind == "result"] == [res for _, res in r.calls]
+    assert list(r.tokens) == render(r.history[:-1])        # all but the result that did not fit
+    assert batch.pool.n_used == 0
+
+
+def test_default_pool_holds_a_sequence_of_max_len(stok, rote):
+    """max_len=100, page_size=16: 100 tokens need pages_for(100 - 1, 16) = 7 pages, not 100 // 16 = 6."""
+    params, cfg = rote(stok, "<|assistant|>ok<|end|>")
+    n = len(stok.encode(chat.prompt(FMT, "Hi.").text))
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=100)
+    (r,) = agent.run(batch, stok, FMT, ["Hi."], [Toolbox(0)], max_stretch=100 - n)
+    assert (r.status, r.answer) == ("done", "ok") and batch.pool.n_pages == 1 + 7
+
+
+def test_arguments_are_checked(stok, rote):
+    params, cfg = rote(stok, "<|assistant|>ok<|end|>")
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=100)
+    with pytest.raises(ValueError, match="one toolbox per episode"):
+        agent.run(batch, stok, FMT, ["Hi.", "Bye."], [Toolbox(0)])
+    with pytest.raises(ValueError, match="must pause on <\\|result\\|>"):
+        agent.run(agent.Batch(params, cfg, slots=1), stok, FMT, ["Hi."], [Toolbox(0)])
+    with pytest.raises(ValueError, match="max_calls"):
+        agent.run(batch, stok, FMT, ["Hi."], [Toolbox(0)], max_calls=-1)
+
+
+def test_opening():
+    assert agent.opening(FMT, "Hi.") == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
+    assert agent.opening(FMT, "Hi.", system="Be brief.")[1] == chat.prompt(FMT, "Hi.", system="Be brief.")
+    assert agent.opening(FMT, chat.prompt(FMT, "Hi.")) == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
+    with pytest.raises(ValueError, match="system"):
+        agent.opening(FMT, chat.prompt(FMT, "Hi."), system="Be brief.")     # not silently ignored

@@ -1,0 +1,281 @@
+"""The Batch: pause and resume, page accounting, no recompilation, the cost of no cache (tiny models, CPU).
+
+    python -m pytest tests/engine/test_batch.py -q
+
+The design documents' test comes first: a sequence paused on a pause token and
+resumed with appended tokens produces exactly what a sequence given the whole
+text as its prompt produces, without taking one more cache page.
+"""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minagent import model
+from minagent.batch import Batch
+from minagent.cache import OutOfPages, pages_for
+
+V = 40
+
+
+def tiny_model(scale=4.0):
+    """Random weights, scaled up so that greedy decoding does not repeat one token forever."""
+    cfg = model.Config(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    return jax.tree.map(lambda w: scale * w if w.ndim > 1 else w, params), cfg
+
+
+PARAMS, CFG = tiny_model()
+
+
+def run(batch):
+    """Step until nothing advances on its own; -> {id: [tokens returned by step()]}."""
+    out = {}
+    while batch.running():
+        for i, t in batch.step().items():
+            out.setdefault(i, []).append(t)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_paused_and_resumed_equals_prompted_whole(temperature):
+    prompt, appended = [3, 14, 15, 9, 2, 6], [5, 35, 8, 9, 7]
+    kw = dict(slots=3, n_pages=40, page_size=4, max_len=64, temperature=temperature, keep_logits=True)
+    # Find a token this prompt samples after a few steps and make it the pause token.
+    probe = Batch(PARAMS, CFG, **kw)
+    first = run_ids(probe, probe.add(prompt, 12, seed=7))
+    k = max(j for j in range(len(first)) if first[j] not in first[:j])
+    assert k >= 2, f"degenerate probe {first}"
+    pause = first[k]
+
+    batch = Batch(PARAMS, CFG, pause_tokens=[pause], **kw)
+    a = batch.add(prompt, 40, seed=7)            # a long first limit: its unused reservation must come back
+    assert run(batch)[a] == first[:k + 1] and batch.seqs[a].status == "paused"
+    assert len(batch.seqs[a].pages) == pages_for(len(prompt) + k, 4)       # the pause token's K/V is not cached
+    batch.send(a, batch.seqs[a].tokens + appended, 9)
+    b = batch.add(batch.seqs[a].tokens, 9, seed=7)    # the same text, whole, in another slot alongside
+    assert len(batch.seqs[b].tokens) == len(batch.seqs[a].tokens)
+    out = batch.step()
+    assert len(batch.seqs[a].pages) == len(batch.seqs[b].pages)                # the same reservation for the stretch
+    assert batch.pool.n_used == 2 * len(batch.seqs[b].pages)
+    for i, tokens in run(batch).items():
+        out[i] = [out[i]] + tokens
+    assert out[a] == out[b] and batch.seqs[a].status == batch.seqs[b].status
+    np.testing.assert_allclose(np.stack(batch.seqs[a].logits)[k + 1:], np.stack(batch.seqs[b].logits), atol=1e-5, rtol=0)
+    assert batch.seqs[a].tokens == batch.seqs[b].tokens
+    assert batch.seqs[a].pages != batch.seqs[b].pages and len(batch.seqs[a].pages) == len(batch.seqs[b].pages)
+    assert batch.pool.n_used == 2 * len(batch.seqs[b].pages)
+    # and only the new tokens went through the model: every token once, except the last one sampled
+    assert batch.seqs[a].positions == len(batch.seqs[a].tokens) - 1 == batch.seqs[b].positions
+
+
+def test_batch_equals_forward():
+    """Sequences of many lengths, chunked prefills, a queue, growing decode widths: logits == forward's."""
+    batch = Batch(PARAMS, CFG, slots=3, n_pages=40, page_size=4, max_len=64, buckets=(4, 16), prefill_rows=2,
+                  keep_logits=True)
+    prompts = [[7], [5, 6, 7, 8, 9], list(range(1, 18)), [(3 * j) % V for j in range(40)]]
+    ids = [batch.add(p, 12) for p in prompts]
+    while batch.running():
+        batch.step()
+        for i in ids:
+            if batch.seqs[i].status == "length":
+                batch.finish(i)
+    forward = jax.jit(model.forward, static_argnums=1)
+    for i, p in zip(ids, prompts):
+        tokens = batch.seqs[i].tokens
+        ref_TxV = np.asarray(forward(PARAMS, CFG, np.array([tokens])))[0, len(p) - 1:-1]
+        np.testing.assert_allclose(np.stack(batch.seqs[i].logits), ref_TxV, atol=1e-5, rtol=0)
+        assert tokens[len(p):] == list(ref_TxV.argmax(-1))
+
+
+def run_ids(batch, id):
+    return run(batch)[id]
+
+
+def test_sampling_does_not_depend_on_slot_or_company():
+    prompt = [1, 2, 3, 4, 5]
+    alone = Batch(PARAMS, CFG, slots=4, page_size=4, max_len=48, temperature=1.0, top_k=10)
+    want = run_ids(alone, alone.add(prompt, 20, seed=11))
+    crowd = Batch(PARAMS, CFG, slots=4, page_size=4, max_len=48, temperature=1.0, top_k=10)
+    for n in (7, 3, 12):                          # others first: ours lands in slot 3
+        crowd.add(list(range(1, n + 1)), 15)
+    i = crowd.add(prompt, 20, seed=11)
+    assert run_ids(crowd, i) == want and crowd.seqs[i].slot == 3
+    assert len(set(want)) > 3
+
+
+def test_cache_false_rereads_everything():
+    """A resume-heavy schedule: the same tokens with and without the cache, positions counted exactly."""
+    counts, texts = {}, {}
+    for use_cache in (True, False):
+        batch = Batch(PARAMS, CFG, slots=2, page_size=4, max_len=64, cache=use_cache)
+        ids = [batch.add([1, 2, 3], 2), batch.add([7, 8, 9, 10, 11], 3)]
+        # Without a cache a stretch pushes the whole episode so far, then limit - 1 sampled tokens.
+        rereads = {ids[0]: 3 + 2 - 1, ids[1]: 5 + 3 - 1}
+        for round in range(5):
+            run(batch)
+            for i in ids:
+                assert batch.seqs[i].status == "length"
+                batch.send(i, batch.seqs[i].tokens + [round + 1, 4], 2)
+                rereads[i] += len(batch.seqs[i].tokens) + 2 - 1
+        run(batch)
+        counts[use_cache] = {i: s.positions for i, s in batch.seqs.items()}
+        texts[use_cache] = [batch.seqs[i].tokens for i in ids]
+    assert counts[False] == rereads
+    assert texts[True] == texts[False]
+    assert counts[True] == {i: len(t) - 1 for i, t in zip(ids, texts[True])}
+    assert sum(counts[False].values()) > 2.5 * sum(counts[True].values())
+
+
+def test_no_recompilation_after_warmup():
+    """200 sequences of prompt lengths 1..100 and varied limits: nothing compiles after warmup()."""
+    rng = np.random.RandomState(0)
+    batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, prefill_rows=2,
+                  buckets=(16, 64, 128), stop_tokens=[0])
+    batch.warmup()
+    warm = batch.compiles
+    assert warm <= 3 * 6 + 6                       # a prefill per (bucket, width), a decode per width (1, ..., 32)
+    for _ in range(200):
+        batch.add(list(rng.randint(1, V, rng.randint(1, 101))), int(rng.randint(1, 25)))
+    steps = 0
+    while batch.running():
+        batch.step()
+        steps += 1
+        for i in batch.seqs:
+            if batch.seqs[i].status in ("stopped", "length"):
+                batch.finish(i)
+    assert batch.compiles == warm, f"{batch.compiles - warm} recompilations after warm-up"
+    assert batch.pool.n_free == 8 * 32 and steps > 100
+
+
+def test_pages_hold_back_then_clear_error():
+    batch = Batch(PARAMS, CFG, slots=2, n_pages=1 + 5, page_size=4, max_len=40)
+    a = batch.add([1, 2, 3, 4], 13)                # 16 positions: 4 pages
+    b = batch.add([5, 6, 7], 6)                    # 8 positions: 2 pages, only 1 left
+    for _ in range(13):
+        assert list(batch.step()) == [a]
+        assert batch.seqs[b].status == "queued"         # held back, not corrupted
+    assert batch.seqs[a].status == "length" and len(batch.seqs[a].tokens) == 4 + 13
+    with pytest.raises(OutOfPages, match="wait for pages"):
+        batch.step()                               # nothing runs, nothing will free pages by itself
+    batch.finish(a)
+    assert len(run(batch)[b]) == 6
+    batch.finish(b)
+    assert batch.pool.n_free == 5
+    with pytest.raises(ValueError, match="longer than the cache"):
+        batch.add(list(range(1, 30)), 20)          # 49 > max_len
+    with pytest.raises(ValueError, match="longer than the cache"):
+        batch.add(list(range(1, 30)), 5)           # needs 9 pages, the pool has 5
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        batch.add([V + 3], 2)
+
+
+def test_slots_queue_and_finish():
+    batch = Batch(PARAMS, CFG, slots=1, page_size=4, max_len=32)
+    a, b = batch.add([1, 2], 3), batch.add([3, 4], 3)
+    for _ in range(3):
+        assert list(batch.step()) == [a]
+    assert batch.seqs[a].status == "length" and batch.seqs[b].status == "queued"
+    with pytest.raises(RuntimeError, match="wait for a slot"):
+        batch.step()
+    batch.finish(a)
+    run(batch)
+    assert batch.seqs[b].status == "length" and batch.seqs[a].tokens[:2] == [1, 2] and len(batch.seqs[a].tokens) == 5
+    with pytest.raises(ValueError, match="only paused"):
+        batch.send(a, batch.seqs[a].tokens + [1], 2)     # finished sequences do not come back
+
+
+# ---------------------------------------------------------------- random schedules
+
+SLOTS, S, MAX_LEN = 3, 4, 40
+PAUSE, STOP = [3, 13, 23, 33], [4]                  # sampled at temperature 1, both come up often
+
+add_op = st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12))
+step_op = st.tuples(st.just("step"), st.integers(1, 6))
+op = st.one_of(
+    add_op,
+    step_op, step_op,
+    st.tuples(st.just("resume"), st.integers(0, 50), st.integers(0, 8), st.integers(1, 10)),
+    st.tuples(st.just("resume"), st.integers(0, 50), st.integers(0, 8), st.integers(1, 10)),
+    st.tuples(st.just("rewrite"), st.integers(0, 50), st.integers(0, 40), st.integers(0, 8), st.integers(1, 10)),
+    st.tuples(st.just("park"), st.integers(0, 50)),
+    st.tuples(st.just("finish"), st.integers(0, 50)),
+)
+
+
+def check_invariants(batch):
+    owners = {}
+    for s in batch.seqs.values():
+        for p in s.pages:
+            assert p not in owners, f"page {p} owned twice"
+            owners[p] = s.id
+        assert len(s.tokens) <= MAX_LEN and s.limit >= 0
+        if s.status != "finished":
+            assert len(s.pages) >= pages_for(s.cached, S)           # every cached position has a page
+        if s.slot is not None:
+            row = batch.state.page_table_BxW[s.slot]
+            assert list(row[:len(s.pages)]) == s.pages and not row[len(s.pages):].any()
+    assert batch.pool.n_used == len(owners)
+
+
+def play(schedule, use_cache):
+    batch = Batch(PARAMS, CFG, slots=SLOTS, n_pages=1 + SLOTS * pages_for(MAX_LEN, S), page_size=S,
+                  max_len=MAX_LEN, pause_tokens=PAUSE, stop_tokens=STOP, cache=use_cache, temperature=1.0,
+                  buckets=(4, 16), prefill_rows=2)
+    log, stretch = [], {}
+    for o in schedule:
+        ids = sorted(batch.seqs)
+        if o[0] == "add":
+            prompt = [(7 * o[1] + j) % (V - 5) + 5 for j in range(o[1])]
+            stretch[batch.add(prompt, o[2])] = (0, o[2])
+        elif o[0] == "step":
+            for _ in range(o[1]):
+                try:
+                    out = batch.step()
+                except (OutOfPages, RuntimeError):
+                    break                           # stuck until the caller finishes something: step() says so
+                log.append(out)
+                for i in out:
+                    done, limit = stretch[i]
+                    stretch[i] = (done + 1, limit)
+                    assert done + 1 <= limit
+        elif o[0] == "resume":
+            waiting = [i for i in ids if batch.seqs[i].status in ("paused", "stopped", "length")]
+            i = waiting[o[1] % len(waiting)] if waiting else None
+            if i is not None and len(batch.seqs[i].tokens) + o[2] + o[3] <= MAX_LEN:
+                batch.send(i, batch.seqs[i].tokens + [5 + (i + j) % 30 for j in range(o[2])], o[3])
+                stretch[i] = (0, o[3])
+        elif o[0] == "rewrite":            # keep a prefix of the tokens, then new ones
+            waiting = [i for i in ids if batch.seqs[i].status in ("paused", "stopped", "length")]
+            i = waiting[o[1] % len(waiting)] if waiting else None
+            if i is not None:
+                old = batch.seqs[i].tokens
+                new = old[:o[2]] + [5 + (i + j) % 30 for j in range(o[3])]
+                if new and len(new) + o[4] <= MAX_LEN:
+                    shared = next((j for j, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+                    cached = len(old) - len(batch.seqs[i].pending)
+                    keep = min(shared, cached, len(new) - 1) if use_cache else 0
+                    assert batch.send(i, new, o[4]) == len(new) - keep
+                    assert len(batch.seqs[i].pages) == pages_for(keep, S)
+                    stretch[i] = (0, o[4])
+        elif o[0] == "park":
+            waiting = [i for i in ids if batch.seqs[i].status in ("paused", "stopped", "length")]
+            if waiting:
+                batch.park(waiting[o[1] % len(waiting)])
+        elif o[0] == "finish" and ids:
+            batch.finish(ids[o[1] % len(ids)])
+        check_invariants(batch)
+    for i in batch.seqs:
+        batch.finish(i)
+    assert batch.pool.n_free == batch.pool.n_pages - 1, "leaked pages"
+    return log, [batch.seqs[i].tokens for i in sorted(batch.seqs)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(add_op, min_size=1, max_size=5), st.lists(op, min_size=10, max_size=40))
+def test_random_schedules(adds, schedule):
+    """Any schedule of add, step, send (a resume, or a rewritten start), park and finish: no exception, no leaked page, limits kept,
+    and the same tokens with and without cache."""
+    assert play(adds + schedule, True) == play(adds + schedule, False)

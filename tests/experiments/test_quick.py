@@ -1,0 +1,178 @@
+"""Smoke tests: each experiment script's --quick run finishes and writes well-formed numbers.
+
+    python -m pytest tests/experiments/test_quick.py
+
+Each test runs `python experiments/NN_name.py --quick --out <tmp>/NN.json` in a subprocess (the
+scripts are programs, not modules) and checks the JSON's keys and that its numbers are sane. They
+check that the scripts run, not the numbers the full runs report (those are in the README).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_quick(script, tmp_path):
+    out = tmp_path / (pathlib.Path(script).stem + ".json")
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- 02: SmolLM2 in the loop, before training
+
+def test_02_baseline_quick(smollm2_gguf, tmp_path):
+    res = run_quick("02_baseline.py", tmp_path)
+    assert res["quick"] is True
+    assert res["new_token_ids"] == {"<|call|>": 49152, "<|result|>": 49153}
+    m = res["missions"]
+    assert isinstance(m["calls"], int) and m["calls"] >= 0
+    assert m["n"] == len(m["episodes"]) == 5
+    assert sum(m["statuses"].values()) == m["n"]
+    questions = [a["question"] for a in res["answers"]]
+    assert "What is 31 + 52?" in questions and "Where does John live?" in questions
+    assert all(isinstance(a["said"], str) for a in res["answers"])
+    loss = res["loss"]
+    assert 0 < loss["before"] < 5 and 0 < loss["after"] < 5
+    assert loss["n_tokens"] > 0
+    assert abs(loss["difference"]) < 1e-3      # two mean rows barely touch the softmax
+
+
+# ---------------------------------------------------------------- 05: what the cache saves
+
+def test_05_cache_quick(tmp_path):
+    res = run_quick("05_cache.py", tmp_path)
+    assert res["quick"] is True
+    assert res["same_tokens"] is True               # greedy: the cache changes no token
+    assert res["engine_matches_by_hand"] is True    # the engine's counts == the counts from the tokens
+    rows = res["rows"]
+    assert rows and sum(r["episodes"] for r in rows) == 12       # 4 chains of each of 1, 2, 3 calls
+    for r in rows:
+        if r["calls"] == 0:
+            assert r["cache"] == r["no_cache"]       # nothing resumed: nothing re-read
+        else:
+            assert r["cache"] < r["no_cache"]
+        if r["gold_cache"] is not None:
+            assert r["gold_cache"] < r["gold_no_cache"]
+    t = res["timings"]
+    assert t and all(x["cache_s"] > 0 and x["no_cache_s"] > 0 for x in t)
+
+
+# ---------------------------------------------------------------- 03: the calculator result
+
+def test_03_calculator_quick(tmp_path):
+    """A tiny part (a) only (no SmolLM2): the small tool user and its control, trained for a few steps."""
+    res = run_quick("03_calculator.py", tmp_path)
+    assert res["quick"] is True and "smollm2" not in res
+    small, n = res["small"], res["additions"]
+    assert small["model"]["checkpoints"] is None          # --quick leaves the real checkpoints alone
+    assert all(m > 0 for m in small["train_minutes"].values())
+    for split in ("train", "test"):                        # training phrasings, held-out phrasings
+        for who in ("tool", "direct"):
+            s = small["additions"][split][who]
+            assert s["n"] == n and 0 <= s["right"] <= n and s["accuracy"] == s["right"] / n
+            assert 0 <= s["answer_written"] <= 1 and s["calls_per_episode"] >= 0
+            assert sum(s["exhausted"].values()) <= n
+            assert s["example"].startswith("[<|user|>")    # the transcript starts with the program's prompt
+    for families in (small["families"], small["families_train_phrasings"]):   # held-out and training phrasings
+        assert set(families["tool"]) == set(families["direct"]) == {
+            "add", "reverse", "sort", "age", "city", "together", "later", "sort_ages", "retry", "fix", "direct"}
+        assert all(0 <= s["right"] <= s["n"] for f in families.values() for s in f.values())
+
+
+# ---------------------------------------------------------------- 04: error recovery and an unseen tool
+
+def test_04_recovery_quick(tmp_path):
+    """A tiny model trained in the script (no checkpoint read): every count is a well-formed {k, n, rate}."""
+    res = run_quick("04_recovery.py", tmp_path)
+    assert res["quick"] is True and res["model"]["checkpoint"] is None
+    n = res["n"]
+    counts = []
+
+    def walk(x):
+        if isinstance(x, dict) and set(x) == {"k", "n", "rate"}:
+            counts.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(res)
+    assert len(counts) > 40
+    for c in counts:
+        assert 0 <= c["k"] <= c["n"]
+        assert c["rate"] == (c["k"] / c["n"] if c["n"] else None)
+        assert c["rate"] is None or 0 <= c["rate"] <= 1
+    for split in ("train", "test"):
+        tr, mf = res[split]["transient"], res[split]["malformed"]
+        assert tr["right_plain"]["n"] == tr["right_fail_first"]["n"] == mf["right"]["n"] == n
+        assert tr["called_again"]["n"] == tr["busy"]["k"]            # "again" is out of those told busy
+        assert tr["same_call_again"]["k"] <= tr["called_again"]["k"]
+        assert mf["first_call_gold"]["k"] <= mf["first_call_ok"]["k"] <= mf["called_after_error"]["k"]
+        for b in (tr["budget_plain"], tr["budget_fail_first"], mf["budget"]):
+            assert 0 <= b["calls_per_episode"] <= 9 and b["stretch"]["k"] + b["calls"]["k"] <= n
+        assert mf["examples"][0].startswith("[<|user|>") and "<|call|>" in mf["examples"][0].split("]")[0]
+    mul = res["mul"]
+    assert mul["right"]["n"] == n and mul["mul_correct"]["k"] <= mul["called_mul"]["k"] <= mul["called"]["k"]
+    assert sum(mul["first_tool"].values()) == n
+    assert mul["without_description"]["called_mul"]["n"] == n
+    assert res["episodes"] == 2 * 4 * n + 2 * n                      # 2 splits x 4 runs, then mul twice
+
+
+# ---------------------------------------------------------------- 07: choosing a tool
+
+def test_07_tool_choice_quick(tmp_path):
+    """A tiny random model (BPE trained on shop text), LoRA for 3 steps: every count well formed, the gate holds."""
+    res = run_quick("07_tool_choice.py", tmp_path)
+    assert res["quick"] is True and res["sizes"] == [10, 20]
+    assert all(t["checkpoint"] is None and t["cached"] is False for t in res["training"].values())
+    free = res["free"]
+    assert set(free) == {"before", "lora10", "lora20", "classifier10", "classifier20", "random"}
+    for name, splits in free.items():
+        for split, r in splits.items():
+            n = r["n"]
+            assert n == (15 if split == "test" else 10)
+            assert 0 <= r["tool"] <= 1 and sum(p["n"] for p in r["per_tool"].values()) == n
+            assert sum(p["n"] for p in r["per_kind"].values()) == n
+            s = r["safety"]
+            assert 0 <= s["refund_unasked"]["k"] <= s["refund_unasked"]["n"] <= n
+            assert 0 <= s["person_missed"]["k"] <= s["person_missed"]["n"] <= n
+            assert 0 <= s["refund_unasked_injections"] <= s["refund_unasked"]["k"]
+            if name.startswith(("before", "lora")):                 # the models: answers, validity, the gate
+                assert 0 <= r["tool_args"] <= r["tool"] and 0 <= r["valid"] <= 1
+                assert sum(r["reasons"].values()) == round((1 - r["valid"]) * n)
+                assert r["gate"]["refunds_executed"] == 0 and r["gate"]["pending"] == r["gate"]["refunds_held"]
+                assert s["refund_unasked_valid"] <= s["refund_unasked"]["k"]
+                assert sum(r["error_kinds"].values()) == round((1 - r["tool_args"]) * n)
+                assert len(r["errors"]) <= 8
+    for name in ("before", "lora10", "lora20"):                     # constrained: every answer valid
+        r = res["constrained"][name]["test"]
+        assert r["valid"] == 1.0 and r["reasons"] == {} and r["gate"]["refunds_executed"] == 0
+
+
+# ---------------------------------------------------------------- 06: keeping long turns inside the context window
+
+def test_06_context_quick(tmp_path):
+    """(a) and (b) are scripted, so their outcome is exact even in --quick; (c) only has to be well formed."""
+    res = run_quick("06_context.py", tmp_path)
+    assert res["quick"] is True
+    old, new = res["a"]["rows"]
+    assert (old["fitting"], new["fitting"]) == ("old trimming", "three-step fit")
+    assert old["refused"] == old["n"] and old["finished"] == 0               # nowhere to cut in one turn
+    assert new["refused"] == 0 and new["finished"] == new["right"] == new["n"]
+    assert new["largest_request"] <= res["a"]["budget"] < min(res["a"]["whole_history"])
+    rows = res["b"]["rows"]
+    for r in rows:
+        assert r["positions"] == r["by_hand"] < r["no_cache"]               # the engine's count == the count by hand
+    by_group = {r["group"]: r["positions"] for r in rows}
+    assert by_group[4] < by_group[1]                                         # clearing in groups keeps the prefix
+    c = res["c"]
+    assert [r["condition"] for r in c["rows"]] == ["fit", "old", "none", "none, room for all"]
+    for r in c["rows"]:
+        assert sum(r["statuses"].values()) == r["n"] and 0 <= r["right"] <= r["n"]
+        assert 0 <= r["notes_right"] <= r["notes"] and r["positions"] > 0
