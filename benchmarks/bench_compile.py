@@ -11,6 +11,7 @@ Prints the ratios (loop / scan); writes benchmarks/results/compile.json.
 """
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import platform
@@ -35,17 +36,18 @@ def main():
     if not path.exists():
         raise SystemExit(f"{path} not found: `python -m minagent.weights fetch`")
     stacked, cfg = weights.load_params(path)
-    B, M, S = args.batch, args.pages_per_row, 16
-    table_BxM = np.arange(1, B * M + 1, dtype=np.int32).reshape(B, M)
-    zeros_B, active_B = np.zeros(B, np.int32), np.ones(B, bool)
+    B, W, Z = args.batch, args.pages_per_row, 16
+    # Every slot active, each with W pages of its own; the length moves on by one each call.
+    slots = dataclasses.replace(decode.Slots.idle(B, W), active_B=np.ones(B, bool),
+                                page_table_BxW=np.arange(1, B * W + 1, dtype=np.int32).reshape(B, W))
 
     layouts = {"scan": stacked, "loop": decode.unstack_layers(stacked)}
     steps, caches, res = {}, {}, {}
     for name, params in layouts.items():
         jax.clear_caches()
-        caches[name] = init_cache(cfg, B * M + 1, S)
+        caches[name] = init_cache(cfg, B * W + 1, Z)
         t0 = time.perf_counter()
-        lowered = decode.decode_step.lower(params, cfg, caches[name], zeros_B, zeros_B, active_B, table_BxM, zeros_B)
+        lowered = decode.decode_step.lower(params, cfg, caches[name], slots)
         t1 = time.perf_counter()
         steps[name] = lowered.compile()
         t2 = time.perf_counter()
@@ -54,9 +56,9 @@ def main():
     for i in range(args.steps + 1):                 # the first call of each is a warm-up, not timed
         for name, params in layouts.items():
             t = time.perf_counter()
-            next_B, _, caches[name] = steps[name](params, caches[name], zeros_B, zeros_B + i, active_B, table_BxM,
-                                                  zeros_B)
-            next_B.block_until_ready()
+            later, _, caches[name] = steps[name](params, caches[name],
+                                                 dataclasses.replace(slots, lengths_B=slots.lengths_B + i))
+            later.tokens_B.block_until_ready()
             if i:
                 res[name]["step_ms"].append(1000 * (time.perf_counter() - t))
 

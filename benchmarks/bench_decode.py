@@ -1,8 +1,9 @@
 """Greedy decode speed: minagent's paged engine vs Hugging Face transformers' `generate`, on CPU.
 
-    /work/venv/bin/python benchmarks/bench_decode.py            # about 5 minutes on 2 CPU cores
-    /work/venv/bin/python benchmarks/bench_decode.py --quick    # batch 1 and 4, 16 tokens; writes nothing
-    /work/venv/bin/python benchmarks/bench_decode.py --one-core # one core, one thread each (a shared machine)
+    python benchmarks/bench_decode.py              # about 5 minutes on 2 CPU cores
+    python benchmarks/bench_decode.py --quick      # batch 1 and 4, 16 tokens; writes nothing
+    python benchmarks/bench_decode.py --one-core   # one core, one thread each (a shared machine)
+    python benchmarks/bench_decode.py --quick --no-ref   # minagent alone, no torch: about 1.5 min
 
 SmolLM2-135M-Instruct, the same float32 weights on both sides (minagent
 dequantizes the GGUF file itself; transformers' GGUF loader does the same),
@@ -13,14 +14,16 @@ take turns, `--repeats` times, so that load from other processes on the
 machine hits both; the table reports the best run of each, and the median
 decode step of the best run (steadier than a total under bursts of load).
 Run it on an idle machine: with two threads each and other work running,
-torch's threads slow down far more than XLA's (we saw 6x at load 2), which
-flatters minagent. The script warns when the load average is above 0.5.
+torch's threads slow down far more than XLA's, which flatters minagent.
+The script warns when the load average is above 0.5.
 
 Then the host overhead: a small random model at batch 64, where the model is
 cheap and Python's bookkeeping shows: the share of the wall time of `step()`
 spent outside the jitted calls (timed with block_until_ready).
 
-Writes benchmarks/results/decode.json. Needs the `ref` extra (torch, transformers).
+Writes benchmarks/results/decode.json. Needs the `ref` extra (torch, transformers);
+--no-ref runs minagent's side and the host overhead only (SmolLM2's chat template
+rebuilt with minagent's tokenizer), prints them and writes nothing.
 """
 
 import argparse
@@ -41,12 +44,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minagent import decode, model, weights  # noqa: E402
+from minagent import chat, decode, model, tokenizer, weights  # noqa: E402
 from minagent.batch import Batch  # noqa: E402
 from minagent.cache import pages_for  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "decode.json"
 QUESTION = "Write a short story about a robot who learns to paint."
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"   # its template's default
 
 
 def minagent_run(params, cfg, prompt, B, new):
@@ -58,7 +62,7 @@ def minagent_run(params, cfg, prompt, B, new):
     while batch.running():
         batch.step()
         stamps.append(time.perf_counter())
-    return stamps[-1] - t0, [t - t0 for t in stamps], batch.tokens(ids[0])[len(prompt):], batch.compiles
+    return stamps[-1] - t0, [t - t0 for t in stamps], batch.seqs[ids[0]].tokens[len(prompt):], batch.compiles
 
 
 def hf_run(hf_model, prompt, B, new):
@@ -161,6 +165,26 @@ def host_overhead(B=64, steps=64):
             "ms_in_jit_per_step": 1e3 * inside[0] / (steps - 1), "share_outside_jit": 1 - inside[0] / total}
 
 
+def overhead_line(overhead):
+    return (f"host overhead at batch {overhead['batch']} (d_model 64, 2 layers): {overhead['ms_per_step']:.2f} ms "
+            f"per step, {overhead['ms_in_jit_per_step']:.2f} ms inside jit, "
+            f"{100 * overhead['share_outside_jit']:.1f}% outside")
+
+
+def minagent_only(args, params, cfg, path):
+    """--no-ref: minagent's side of each row and the host overhead, printed; nothing to compare with."""
+    tok = tokenizer.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
+    prompt = tok.encode(chat.prompt(chat.CHATML, QUESTION, system=SMOLLM_SYSTEM).text)
+    for B in args.batches:
+        compiles = minagent_run(params, cfg, prompt, B, args.new)[-1]      # warm-up: compiles
+        runs = [minagent_run(params, cfg, prompt, B, args.new) for _ in range(args.repeats)]
+        best, n = min(r[0] for r in runs), B * args.new
+        print(f"batch {B}: minagent {n / best:.1f} tok/s, decode step {min(step_ms(r[1]) for r in runs):.1f} ms, "
+              f"first token {min(r[1][0] for r in runs):.2f} s; {compiles} compiles in the warm-up, "
+              f"{runs[-1][-1]} after; runs {[r[0] for r in runs]} s", flush=True)
+    print(overhead_line(host_overhead(steps=16 if args.quick else 64)))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -170,16 +194,20 @@ def main():
     parser.add_argument("--one-core", action="store_true",
                         help="one core, one thread per engine: steadier on a machine shared with other work, "
                              "where two-thread runs (torch's above all) slow down erratically")
+    parser.add_argument("--no-ref", action="store_true",
+                        help="minagent alone, without torch and transformers: prints its numbers, writes nothing")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.new, args.repeats = [1, 4], 16, 1
+    path = weights.smollm2_path()
+    params, cfg = weights.load_params(path)
+    if args.no_ref:
+        return minagent_only(args, params, cfg, path)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if args.one_core:
         torch.set_num_threads(1)
-    path = weights.smollm2_path()
-    params, cfg = weights.load_params(path)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     prompt = list(tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
@@ -241,9 +269,7 @@ def main():
     for r in rows:
         print(f"{r['batch']:>5} floor {r['matmul_floor_ms']['xla_ms']:.1f} / {r['matmul_floor_ms']['torch_ms']:.1f} ms, "
               f"best possible step ratio {r['best_possible_step_ratio']:.2f}")
-    print(f"host overhead at batch {overhead['batch']} (d_model 64, 2 layers): {overhead['ms_per_step']:.2f} ms "
-          f"per step, {overhead['ms_in_jit_per_step']:.2f} ms inside jit, "
-          f"{100 * overhead['share_outside_jit']:.1f}% outside")
+    print(overhead_line(overhead))
     if args.quick:                # a smoke test: keep the real results
         return
     out = RESULTS.with_name("decode_one_core.json") if args.one_core else RESULTS

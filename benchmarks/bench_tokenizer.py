@@ -5,8 +5,8 @@
 
 Both train a byte-level BPE of 8192 pieces (256 bytes + 7936 merges) with the GPT-2 regex
 pre-tokenizer, once each, on the corpus's lines, then encode every line with a fresh tokenizer
-(minagent's chunk cache starts empty). HF trains with its default threads (the spec's 2.6 s) and
-again with one; it encodes with one thread. Rayon reads RAYON_NUM_THREADS once per process, so
+(minagent's chunk cache starts empty). HF trains with its default threads and again with
+one; it encodes with one thread. Rayon reads RAYON_NUM_THREADS once per process, so
 each HF measurement runs in a child process of this script (`--hf THREADS`).
 Writes benchmarks/results/tokenizer.json. Needs the `ref` extra (tokenizers).
 """
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from minagent import tokenizer as tk
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "experiments" / "data" / "wordnet.txt"
 OUT = ROOT / "benchmarks" / "results" / "tokenizer.json"
@@ -27,9 +29,6 @@ VOCAB = 8192
 
 
 def bench_minagent(lines):
-    sys.path.insert(0, str(ROOT))
-    from minagent import tokenizer as tk
-
     t0 = time.perf_counter()
     tok = tk.train("\n".join(lines), VOCAB, tk.GPT2_PATTERN, specials=[])
     train_s = time.perf_counter() - t0

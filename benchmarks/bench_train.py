@@ -13,11 +13,10 @@ vocabulary) and SmolLM2-135M (its GGUF weights, dequantized to float32). Steps
 are timed after warm-up (compilation and the first runs); the median is reported.
 
 Huge pages: a training step allocates gigabytes of temporaries, and with 4 KB
-pages the kernel faults each page in (about a million faults per SmolLM2 step)
-and the TLB misses. glibc can ask for transparent huge pages instead
-(GLIBC_TUNABLES=glibc.malloc.hugetlb=1, read when the process starts, so the
-script re-executes itself with it): measured here, 20x fewer page faults and
-8 % (SmolLM2) to 19 % (small model) more tokens/s. --no-hugepages turns it off.
+pages the kernel faults each page in and the TLB misses. glibc can ask for
+transparent huge pages instead (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, read
+when the process starts, so the script re-executes itself with it): far fewer
+page faults, more tokens/s (experiments/LOG.md). --no-hugepages turns it off.
 
 Run:   python benchmarks/bench_train.py            # about 2 minutes on 2 idle CPU cores
        python benchmarks/bench_train.py --quick    # smaller batches, fewer steps, ~1 minute

@@ -1,44 +1,32 @@
 """01: how numbers split into tokens, and why a calculator call is only copying.
 
-The spec (section 1, "Why a calculator helps"): a BPE learned on prose splits 4821 into pieces
-that do not follow the digits (4 · 8 · 21), so adding digit by digit is out of reach. But the call
-`add 4821 3907` splits its numbers into the same pieces, in the same order, as the question does:
-writing the call is copying. This script shows the splits under two tokenizers and checks that:
+A BPE learned on prose splits 4821 into pieces that do not follow the digits, so adding digit by
+digit is out of reach; but the call `add 4821 3907` splits its numbers into the same pieces, in the
+same order, as the question does: writing the call is copying (docs/DESIGN.md). Shown for minagent's
+BPE (8192 pieces on the WordNet glosses) and SmolLM2's (read from its GGUF file). Then, for context
+budgets (minagent/tasks/context/counting.py): the token counts of four samples (tests/data/scripts/:
+English, Russian, Chinese, Japanese) by each tokenizer and by a BPE of 32,768 pieces learned on the
+word lists of those four languages, against characters / 4, the by-script estimate and the bound
+that errs high; and the same on held-out words of each language's frequency list.
 
-  - minagent's BPE, 8192 pieces learned on the WordNet glosses (GPT-2 pre-tokenizer);
-  - SmolLM2-135M-Instruct's, read from its GGUF file (every digit is its own piece).
-
-Run:
     bash experiments/data/make_corpus.sh          # once: the WordNet corpus (~9 MB)
-    python experiments/01_tokenization.py         # CPU: ~1.5 min the first time (training both BPEs), ~50 s once cached
-    python experiments/01_tokenization.py --quick # CPU: ~5 s, 512 pieces on 300 KB (or a built-in text)
-Then, for context-window budgets (spec part 2, minagent/context.py): token counts of four samples
-written for minagent (tests/data/scripts/: English, Russian, Chinese, Japanese) by each tokenizer,
-against characters / 4, the spec's by-script estimate and the bounds that err high. A third
-tokenizer joins there: minagent's BPE with 32,768 pieces learned on the word frequencies of English,
-Russian, Chinese and Japanese (tokenizer.wordfreq_chunks; ~30 s), one that has pieces for all four
-scripts, as the spec's provider's does. Last, the same counts on text none of the rates were read
-from: words 1,000 to 10,000 of each language's frequency list, joined.
-No GPU needed. Writes experiments/results/01_tokenization.json; the trained tokenizers are cached
-(git-ignored) in experiments/results/wordnet-bpe-8192.tok and wordfreq-bpe-32768.tok.
+    python experiments/01_tokenization.py         # ~1.5 min the first time (training the BPEs), ~50 s cached
+    python experiments/01_tokenization.py --quick # ~5 s: 512 pieces on 300 KB (or a built-in text)
+Times on 2 CPU cores; not run on a GPU (it needs none). Writes experiments/results/01_tokenization.json;
+the trained tokenizers are cached (git-ignored) in experiments/results/*.tok (--retrain ignores them).
 """
 
 import argparse
-import json
-import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
+from minagent import tokenizer as tk
+from minagent import weights
+from minagent.tasks.context import counting
 
-from minagent import context as cx  # noqa: E402
-from minagent import tokenizer as tk  # noqa: E402
-from minagent import weights  # noqa: E402
-
-CORPUS = ROOT / "experiments" / "data" / "wordnet.txt"
-RESULTS = ROOT / "experiments" / "results"
-SCRIPTS = ROOT / "tests" / "data" / "scripts"
+CORPUS = common.DATA / "wordnet.txt"
+SCRIPTS = common.REPO / "tests" / "data" / "scripts"
 SAMPLES = ("english", "russian", "chinese", "japanese")
 QUESTION, CALL, RESULT = "What is 4821 + 3907?", "add 4821 3907", "8728"
 # --quick without the corpus: a few sentences of prose, repeated (enough for a few hundred merges)
@@ -48,7 +36,7 @@ TINY = ("a domesticated carnivorous mammal that typically has a long snout; the 
 
 
 def show(tok, text):
-    """Pieces as the spec writes them: ' · ' between, a word's leading space dropped, a lone space as ␣."""
+    """Pieces as docs/DESIGN.md writes them: ' · ' between, a word's leading space dropped, a lone space as ␣."""
     return " · ".join(tok.decode([i]).strip() or "␣" for i in tok.encode(text))
 
 
@@ -63,7 +51,7 @@ def cached_bpe(path, title, train, retrain):
         return tk.load(path), f"{title} (cached {path.name})"
     t0 = time.time()
     tok = train()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tk.save(tok, path)
     return tok, f"{title} (trained in {time.time() - t0:.1f} s)"
 
@@ -78,7 +66,7 @@ def get_minagent_bpe(args):
             sys.exit(f"{CORPUS} not found: run `bash experiments/data/make_corpus.sh` (or use --quick)")
         return tk.train(CORPUS.read_text(encoding="utf-8"), args.vocab_size, progress=True)
 
-    return cached_bpe(RESULTS / f"wordnet-bpe-{args.vocab_size}.tok",
+    return cached_bpe(common.RESULTS / f"wordnet-bpe-{args.vocab_size}.tok",
                       f"minagent BPE, {args.vocab_size} pieces, WordNet", train, args.retrain)
 
 
@@ -90,23 +78,24 @@ def get_multilingual_bpe(args):
         print("(multilingual BPE skipped: the wordfreq package is missing; pip install -e '.[test]')\n")
         return None
     if args.quick:
-        return tk.train_counts(tk.wordfreq_chunks(n_words=3000), 2048), "minagent BPE, 2048 pieces, word lists (quick)"
-    return cached_bpe(RESULTS / "wordfreq-bpe-32768.tok", "minagent BPE, 32768 pieces, en/ru/zh/ja word lists",
-                      lambda: tk.train_counts(tk.wordfreq_chunks(), 32768, progress=True), args.retrain)
+        return (tk.train_counts(counting.wordfreq_chunks(n_words=3000), 2048),
+                "minagent BPE, 2048 pieces, word lists (quick)")
+    return cached_bpe(common.RESULTS / "wordfreq-bpe-32768.tok", "minagent BPE, 32768 pieces, en/ru/zh/ja word lists",
+                      lambda: tk.train_counts(counting.wordfreq_chunks(), 32768, progress=True), args.retrain)
 
 
 def count_row(text, tokenizers):
-    return {"chars": len(text), "bytes": cx.utf8_bytes(text), "chars4": cx.chars4(text),
-            "spec_estimate": cx.estimate_tokens(text),
-            "smollm2_rates_estimate": cx.estimate_tokens(text, cx.SMOLLM2_RATES),
+    return {"chars": len(text), "bytes": counting.utf8_bytes(text), "chars4": counting.chars4(text),
+            "document_estimate": counting.estimate_tokens(text),
+            "smollm2_rates_estimate": counting.estimate_tokens(text, counting.SMOLLM2_RATES),
             "exact": {key: len(tok.encode(text)) for key, (tok, _) in tokenizers.items()}}
 
 
 def print_rows(rows, tokenizers):
-    print(f"{'text':9} {'chars':>7} {'bytes':>7} {'chars/4':>8} {'spec est.':>9} {'SmolLM2 est.':>12} "
+    print(f"{'text':9} {'chars':>7} {'bytes':>7} {'chars/4':>8} {'doc. est.':>9} {'SmolLM2 est.':>12} "
           + " ".join(f"{key:>12}" for key in tokenizers))
     for name, row in rows.items():
-        print(f"{name:9} {row['chars']:>7} {row['bytes']:>7} {row['chars4']:>8} {row['spec_estimate']:>9} "
+        print(f"{name:9} {row['chars']:>7} {row['bytes']:>7} {row['chars4']:>8} {row['document_estimate']:>9} "
               f"{row['smollm2_rates_estimate']:>12} " + " ".join(f"{n:>12}" for n in row["exact"].values()))
     print()
 
@@ -124,7 +113,7 @@ def word_list_counts(tokenizers, last=10_000):
 
 
 def estimates(tokenizers):
-    """Per sample: characters, utf-8 bytes, the estimates of context.py, and each tokenizer's exact count."""
+    """Per sample: characters, utf-8 bytes, the estimates of counting.py, and each tokenizer's exact count."""
     rows = {name: count_row((SCRIPTS / f"{name}.txt").read_text(encoding="utf-8"), tokenizers) for name in SAMPLES}
     print_rows(rows, tokenizers)
     return rows
@@ -135,7 +124,7 @@ def main():
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--quick", action="store_true", help="small vocab on a small corpus, a few seconds")
     ap.add_argument("--retrain", action="store_true", help="ignore the cached .tok file")
-    ap.add_argument("--out", default=str(RESULTS / "01_tokenization.json"))
+    ap.add_argument("--out", default=None, help="the JSON file (default experiments/results/01_tokenization.json)")
     args = ap.parse_args()
     if args.quick and args.vocab_size == 8192:
         args.vocab_size = 512
@@ -164,10 +153,7 @@ def main():
     results["estimates"] = estimates(tokenizers)
     if "multilingual" in tokenizers:
         results["word_lists"] = word_list_counts(tokenizers, last=1500 if args.quick else 10_000)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    print(f"-> {out}")
+    common.write_json(common.out_path("01_tokenization", args.out, args.quick), results)
 
 
 if __name__ == "__main__":

@@ -1,49 +1,33 @@
-"""02: SmolLM2-135M-Instruct in the loop, before any training.
+"""02: SmolLM2-135M-Instruct in the agent loop, before any training.
 
-The spec (section 1, "The baseline"): put the pretrained model in the agent loop with two new
-tokens, <|call|> and <|result|>, whose embedding rows are the mean of the table's rows. Before any
-training it never calls anything (it has never seen <|call|>), it answers as before, and its loss on
-held-out prose does not move: the two tokens change nothing it knows. This script measures the three:
+The pretrained model gets two new tokens, <|call|> and <|result|>, whose embedding rows are the mean
+of the table's rows (docs/DESIGN.md). Measured, greedy, in the ChatML format: (1) the calls it makes
+on missions of every family (test phrasings), with a stretch budget of 128 tokens since it explains
+before it answers (an answer cut off by the budget is shown with "..."); (2) its answers to a few
+arithmetic and lookup questions; (3) nats per byte on held-out English (WordNet glosses, each one
+document after <|endoftext|>), before and after adding the two tokens, and the difference the two
+extra softmax terms should make (with tied embeddings no old logit moves).
 
-  1. calls made on missions of every family (test phrasings), greedy, in the ChatML format;
-  2. its answers to a few arithmetic and lookup questions ("What is 31 + 52?", "Where does John live?");
-  3. nats per byte on held-out English (WordNet glosses), before and after adding the two tokens.
-
-Budgets: the loop's stretch budget is 40 tokens, sized for a model that calls and copies. SmolLM2
-explains before it answers (at 64 tokens "What is 31 + 52?" is cut off before any result), so we
-give it --max-stretch 128. An answer cut off by the budget is shown with a trailing "...".
-
-Loss: each gloss is one document of plain text (no chat format), preceded by <|endoftext|> (id 0,
-SmolLM2's document separator) so that every byte of the gloss is predicted; nats per byte = total
-nats / UTF-8 bytes of the predicted text. The spec's 0.8931 is on FineWeb-Edu, another text.
-With tied embeddings a mean row's logit is the mean of the old logits: no old logit moves, but
-the softmax denominator gains two terms exp(mean logit). The script reports the difference it finds.
-
-Run:
     bash experiments/data/make_corpus.sh        # once: experiments/data/wordnet_heldout.txt
     python -m minagent.weights fetch            # once: the SmolLM2 GGUF file (98 MB)
-    python experiments/02_baseline.py           # CPU (2 cores): about 2 minutes (116 s measured)
-    python experiments/02_baseline.py --quick   # CPU: about 30 s (5 missions, 20 glosses); no GPU needed
-Writes experiments/results/02_baseline.json.
+    python experiments/02_baseline.py           # about 2-3.5 min
+    python experiments/02_baseline.py --quick   # about 30 s: 5 missions, 20 glosses
+Times on 2 CPU cores; not run on a GPU. Writes experiments/results/02_baseline.json.
 """
 
 import argparse
-import json
-import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
+import common
+from minagent import agent, chat, model, train, weights
+from minagent import tokenizer as tk
+from minagent.tasks.calculator import missions
+from minagent.tools import Toolbox, people_table
 
-from minagent import agent, chat, missions, model, train, weights  # noqa: E402
-from minagent import tokenizer as tk  # noqa: E402
-from minagent.tools import Toolbox, people_table  # noqa: E402
-
-HELDOUT = ROOT / "experiments" / "data" / "wordnet_heldout.txt"
-RESULTS = ROOT / "experiments" / "results"
+HELDOUT = common.DATA / "wordnet_heldout.txt"
 FMT = chat.CHATML
 NEW_TOKENS = ["<|call|>", "<|result|>"]
 QUESTIONS = ("What is 31 + 52?", "What is 4821 + 3907?", "Sort 81 5 23.", "Reverse the word butter.",
@@ -64,9 +48,8 @@ def said(r, tok):
 
 def run_loop(params, cfg, tok, questions, boxes, args):
     prompts = [chat.prompt(FMT, q) for q in questions]
-    records, _ = agent.run(params, cfg, tok, FMT, prompts, boxes, slots=min(len(prompts), 32), max_len=512,
-                           max_stretch=args.max_stretch)           # temperature 0: greedy
-    return records
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=min(len(prompts), 32), max_len=512)   # greedy
+    return agent.run(batch, tok, FMT, prompts, boxes, max_stretch=args.max_stretch)
 
 
 def nats_per_byte(params, cfg, tok, glosses, args):
@@ -105,7 +88,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="5 missions, 20 glosses: about 30 s")
-    ap.add_argument("--out", default=str(RESULTS / "02_baseline.json"))
+    ap.add_argument("--out", default=None, help="the JSON file (default experiments/results/02_baseline.json)")
     args = ap.parse_args()
     if args.quick:
         args.missions, args.glosses, args.max_stretch, args.batch_size = 5, 20, 48, 2
@@ -175,10 +158,7 @@ def main():
         loss=dict(corpus=corpus, n_tokens=before["n_tokens"], before=before["nats_per_byte"],
                   after=after["nats_per_byte"], difference=diff, before_per_token=before["loss"],
                   after_per_token=after["loss"], expected_difference=expected, seconds=round(loss_s, 1)))
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    print(f"-> {out}")
+    common.write_json(common.out_path("02_baseline", args.out, args.quick), results)
 
 
 if __name__ == "__main__":

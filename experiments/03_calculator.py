@@ -1,92 +1,41 @@
-"""03: the calculator result. A model that cannot add, given a calculator, adds.
+"""03: the calculator. A model that cannot add, given a calculator, adds.
 
-The spec (section 1): Smallem scored 0 / 200 on additions of two 4-digit numbers; given a
-calculator it only has to copy (the question's digits into the call, the result into the answer).
-This script trains two pairs of models on the same missions, one taught to call the tools, the
-control taught to answer directly, and runs each in the agent loop on 200 additions of two 4-digit
-numbers, with fresh numbers in the training phrasings ("Add 3959 and 3360.") and in held-out ones
-("Please work out 3959 plus 3360."). The tool user has the calculator, the control has none.
+Two models per part train on the same missions, the tool user taught to call the tools, the control
+to answer directly; each runs in the agent loop on 200 additions of two 4-digit numbers with fresh
+numbers, in the training phrasings and in held-out ones (the control has no tool). Also: accuracy
+per mission family, calls per episode, budget exhaustions; "right" is exactly the gold answer.
+(a) small models from scratch, the demo's recipe (minagent/tasks/calculator/demo.py);
+(b) SmolLM2-135M-Instruct with <|call|> and <|result|> added, fine-tuned through LoRA (and a delta
+    for the two new rows), and the same model before training. Checkpoints: experiments/results/03_*.ckpt.
 
-(a) Small models from scratch, the demo's recipe (`python -m minagent`): 3 layers, d_model 128, a
-    512-piece BPE trained on the missions' text, 500 steps of 32 rows x 128 tokens on 20,000
-    missions of demo.FAMILIES (additions weigh four times the other families), lr 3e-3. Also
-    accuracy per family (held-out and training phrasings), calls per episode, budget exhaustions.
-    Checkpoints (for experiments/04; git-ignored), each with its tokenizer and optimizer state:
-        experiments/results/03_small_tool.ckpt     the tool user
-        experiments/results/03_small_direct.ckpt   the control
-    Load with `train.load_checkpoint(path)` -> params, cfg, tokenizer. Recipe, exactly:
-        train_ms = missions.generate(20000, seed=1, split="train", families=demo.FAMILIES)
-        tok = demo.mission_tokenizer(train_ms)
-        model.init(PRNGKey(0), model.Config(vocab_size=tok.n_vocab, **demo.SMALL)), then train.train on
-        demo.examples(train_ms, tok) [direct=True for the control] with demo.small_tcfg(500, seed=0).
-
-(b) SmolLM2-135M-Instruct with two new tokens, <|call|> and <|result|> (mean-initialised rows),
-    in the ChatML format, fine-tuned on mission traces with the masked loss through a LoRA adapter
-    (minagent/lora.py: rank 8, alpha 16, on all seven projections of the 30 layers). Why LoRA:
-    2.4 M trained numbers instead of 135 M, so AdamW keeps moments for those only, and the base
-    weights, with the model's English, are left as they are. (On CPU it is not faster: the
-    backward pass through merged weights costs what full fine-tuning costs.)
-    LoRA does not touch the embedding table, and the two new rows are identical (both the mean):
-    with tied embeddings <|call|> and <|result|> would then always get the same logit, and a
-    greedy model that may write <|call|> cannot tell when to write <|result|> instead. So the
-    two new rows get a trainable delta too (lora.init(..., new_rows=2): 2 x 576 more numbers).
-    The control gets the same recipe on the direct traces. Both are compared with SmolLM2 before
-    training (calculator offered; it gets a 128-token stretch since it explains before answering).
-    Training data: 800 missions, half additions (SMOL_FAMILIES), 100 steps of 4 rows x 128 tokens,
-    lr 2e-3. The adapters (with opt_state) go to experiments/results/03_smollm2_{tool,direct}_lora.ckpt;
-    load them with train.load_checkpoint(path, params_like=lora.init(key, base, 8, new_rows=2)).
-
-Found (seed 0; experiments/results/03_calculator.json), right out of 200 additions, training /
-held-out phrasings:
-    small model, with the calculator     199 / 37      answering directly (control)     0 / 0
-    SmolLM2 + LoRA, with the calculator  200 / 199     answering directly (control)    30 / 18
-    SmolLM2 before training                0 / 0
-The small model knows no English beyond the missions' phrasings: on new ones it calls less
-reliably or miscopies (per family, 88-100 % on training phrasings, 0-72 % on held-out ones).
-SmolLM2 keeps its English and carries the skill over to phrasings it never trained on.
-
-"Right" means the answer the model wrote after its last turn is exactly the gold answer ("8728").
-"Answer written" is laxer: the gold answer appears anywhere in what the model wrote (a chatty
-"The sum is 8728." counts), a fair chance for the models not taught the answer format.
-
-Run:
-    python experiments/03_calculator.py                   # both parts: 41 min on CPU
-    python experiments/03_calculator.py --only small      # part (a): 6-7 min
-    python experiments/03_calculator.py --only smollm2    # part (b): 35 min; needs `python -m minagent.weights fetch`
-    python experiments/03_calculator.py --quick           # smoke test, a tiny part (a): 20-30 s
-Times measured on 2 CPU cores shared with other jobs, no GPU (not run on one). Part (b): LoRA training
-13 min (tool user) and 8 min (control) for 100 steps of 4 x 128 tokens, at 66-116 tokens/s (140 on a
-quiet machine); SmolLM2 before training, explaining for up to 128 tokens, takes 4-5 min per 200
-episodes; each trained model 0.5-1.5 min. Writes experiments/results/03_calculator.json (with
---only, only that part of the file is replaced).
+    python experiments/03_calculator.py                  # both parts: ~41 min
+    python experiments/03_calculator.py --only small     # part (a): 6-7 min
+    python experiments/03_calculator.py --only smollm2   # part (b): ~35 min; needs `python -m minagent.weights fetch`
+    python experiments/03_calculator.py --quick          # a tiny part (a): 20-30 s
+Times on 2 CPU cores shared with other jobs; not run on a GPU. Writes experiments/results/03_calculator.json
+(--only replaces that part of it) and, with matplotlib, 03_calculator.png: accuracy per family.
 """
 
 import argparse
 import collections
 import dataclasses
-import json
-import pathlib
 import re
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import common
+from minagent import chat, lora, model, train, weights
+from minagent import tokenizer as tk
+from minagent.tasks.calculator import demo, missions
 
-from minagent import chat, demo, lora, missions, model, train, weights  # noqa: E402
-from minagent import tokenizer as tk  # noqa: E402
-
-RESULTS = ROOT / "experiments" / "results"
-SMALL_CKPT = {"tool": RESULTS / "03_small_tool.ckpt", "direct": RESULTS / "03_small_direct.ckpt"}
-SMOL_CKPT = {"tool": RESULTS / "03_smollm2_tool_lora.ckpt", "direct": RESULTS / "03_smollm2_direct_lora.ckpt"}
 # SmolLM2 trains on far fewer missions: half of them additions, the rest one of each other family.
 SMOL_FAMILIES = ("add",) * 10 + tuple(f for f in demo.FAMILIES if f != "add")
 # Room for the longest episode the budgets allow: a prompt, 8 calls of up to 40 tokens each followed by
-# a result of up to 64 characters and the hand-back, and a last stretch of 40. (agent.run stops with
-# an error, not a record, if an episode outgrows max_len: an untrained model can call 8 times.)
+# a result of up to 64 characters and the hand-back, and a last stretch of 40. (An episode that would
+# outgrow max_len ends as "max_len", not as its model decided: an untrained model can call 8 times.)
 MAX_LEN = 1024
 
 
@@ -109,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=32, help="episodes decoded together (SmolLM2)")
     p.add_argument("--only", choices=("small", "smollm2"), default=None, help="run one part")
     p.add_argument("--quick", action="store_true", help="tiny part (a) only: a smoke test, under a minute")
-    p.add_argument("--out", default=str(RESULTS / "03_calculator.json"))
+    p.add_argument("--out", default=None, help="the JSON file (default experiments/results/03_calculator.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.missions, args.steps, args.additions, args.per_family, args.only = 200, 10, 8, 1, "small"
@@ -149,7 +98,7 @@ def evaluate(params, cfg, tok, ms, fmt, **kw):
     """Tool user (calculator and the other tools) and control (no tool) on the same missions."""
     out = {}
     for name, direct in (("tool", False), ("direct", True)):
-        (records, seconds) = demo.timed(demo.run_missions, params[name], cfg, tok, ms, direct=direct, fmt=fmt, **kw)
+        records, seconds = common.timed(demo.run_missions, params[name], cfg, tok, ms, direct=direct, fmt=fmt, **kw)
         out[name] = dict(score(records, ms, tok), seconds=seconds, example=transcript(records[0], tok))
     return out
 
@@ -175,20 +124,22 @@ def part_small(args):
     tok = demo.mission_tokenizer(train_ms)
     cfg = model.Config(vocab_size=tok.n_vocab, **demo.SMALL)
     tcfg = demo.small_tcfg(args.steps, args.seed)
-    params, minutes = {}, {}
+    params, minutes, paths = {}, {}, {}
     for name, direct in (("tool", False), ("direct", True)):
         print(f"small model, {'the control (direct answers)' if direct else 'the tool user'}: {args.steps} steps")
         start = model.init(jax.random.PRNGKey(args.seed), cfg)
-        path = SMALL_CKPT[name] if not args.quick else None        # --quick leaves the real checkpoints alone
-        (params[name], _), s = demo.timed(train.train, start, cfg, demo.examples(train_ms, tok, direct), tcfg,
-                                          checkpoint_path=path, tokenizer=tok)
+        # Always trained (the training time is a result), and saved where experiments/04 looks for it.
+        # --quick leaves the real checkpoints alone.
+        paths[name] = None if args.quick else common.small_checkpoint(name, args.missions, args.steps, args.seed)
+        (params[name], _), s = common.timed(train.train, start, cfg, demo.examples(train_ms, tok, direct), tcfg,
+                                            checkpoint_path=paths[name], tokenizer=tok)
         minutes[name] = s / 60
 
     tests = addition_sets(args, demo.FMT)
     additions = {split: evaluate(params, cfg, tok, ms, demo.FMT, max_len=MAX_LEN) for split, ms in tests.items()}
     families = {split: family_scores(params, cfg, tok, args.per_family, args.seed + 4, split, demo.FMT,
                                      max_len=MAX_LEN) for split in ("test", "train")}
-    checkpoints = None if args.quick else {k: str(v.relative_to(ROOT)) for k, v in SMALL_CKPT.items()}
+    checkpoints = None if args.quick else {k: common.in_repo(v) for k, v in paths.items()}
     return dict(model=dict(cfg=dataclasses.asdict(cfg), n_params=model.n_params(params["tool"]),
                            train_missions=args.missions, tcfg=dataclasses.asdict(tcfg), checkpoints=checkpoints),
                 train_minutes=minutes, additions=additions, families=families["test"],
@@ -210,13 +161,17 @@ def part_smollm2(args):
                                  fmt=fmt)
     tcfg = train.TrainConfig(steps=args.smol_steps, batch_size=4, seq_len=128, lr=args.smol_lr, warmup=10,
                              weight_decay=0.0, seed=args.seed, log_every=5)
-    params, minutes, n_trained, losses, speed = {}, {}, None, {}, {}
+    params, minutes, n_trained, losses, speed, paths = {}, {}, None, {}, {}, {}
     for name, direct in (("tool", False), ("direct", True)):
         print(f"SmolLM2 + LoRA, {'the control (direct answers)' if direct else 'the tool user'}: "
               f"{args.smol_steps} steps")
-        (adapters, history), s = demo.timed(
+        # The adapters, with their optimizer state; load with train.load_checkpoint(path,
+        # params_like=lora.init(key, base, rank, new_rows=2)). Always trained: the training time is a result.
+        paths[name] = common.checkpoint_path(f"03_smollm2_{name}_lora", dict(
+            missions=args.smol_missions, rank=args.rank, alpha=args.alpha, tcfg=dataclasses.asdict(tcfg)))
+        (adapters, history), s = common.timed(
             lora.train_lora, base, cfg, demo.examples(train_ms, tok, direct), tcfg, rank=args.rank,
-            alpha=args.alpha, new_rows=n_new, seed=args.seed, checkpoint_path=SMOL_CKPT[name], tokenizer=tok)
+            alpha=args.alpha, new_rows=n_new, seed=args.seed, checkpoint_path=paths[name], tokenizer=tok)
         params[name] = lora.merge(base, adapters, args.alpha)
         minutes[name], n_trained = s / 60, lora.n_trained(adapters)
         losses[name] = [(h["step"], round(h["loss"], 4)) for h in history]
@@ -226,14 +181,14 @@ def part_smollm2(args):
     kw = dict(fmt=fmt, slots=args.slots, max_len=MAX_LEN)
     additions = {split: evaluate(params, cfg, tok, ms, **kw) for split, ms in tests.items()}
     for split, ms in tests.items():      # before training, with the calculator offered (it never calls)
-        records, s = demo.timed(demo.run_missions, base, cfg, tok, ms, max_stretch=args.base_stretch, **kw)
+        records, s = common.timed(demo.run_missions, base, cfg, tok, ms, max_stretch=args.base_stretch, **kw)
         additions[split]["before"] = dict(score(records, ms, tok), seconds=s, example=transcript(records[0], tok))
 
     families = family_scores(params, cfg, tok, args.smol_per_family, args.seed + 4, "test", **kw)
     return dict(model=dict(name="SmolLM2-135M-Instruct", n_params=model.n_params(base), lora_rank=args.rank,
                            lora_alpha=args.alpha, trained_params=n_trained, train_missions=args.smol_missions,
                            tcfg=dataclasses.asdict(tcfg), train_tokens_per_s=speed,
-                           checkpoints={k: str(v.relative_to(ROOT)) for k, v in SMOL_CKPT.items()}),
+                           checkpoints={k: common.in_repo(v) for k, v in paths.items()}),
                 train_minutes=minutes, train_loss=losses, additions=additions, families=families,
                 minutes=(time.perf_counter() - t0) / 60)
 
@@ -273,11 +228,36 @@ def print_families(title, res):
         print(line)
 
 
+def plot_families(plt, results):
+    """Accuracy per mission family: the tool user and the control, on held-out and training phrasings."""
+    parts = [(key, title) for key, title in (("small", "small model from scratch"), ("smollm2", "SmolLM2 + LoRA"))
+             if key in results]
+    fig, axes = plt.subplots(len(parts), 1, figsize=(10, 3.2 * len(parts)), squeeze=False)
+    for ax, (key, title) in zip(axes[:, 0], parts):
+        res = results[key]
+        bars = [(who, split, f"{label}, {phrasings}", color)
+                for who, label, colors in (("tool", "with tools", "C0 C9"), ("direct", "control", "C3 C1"))
+                for (split, phrasings), color in zip((("families", "held-out phrasings"),
+                                                      ("families_train_phrasings", "training phrasings")),
+                                                     colors.split()) if split in res]
+        families = list(res["families"]["tool"])
+        width = 0.8 / len(bars)
+        for j, (who, split, label, color) in enumerate(bars):
+            x = np.arange(len(families)) + (j - (len(bars) - 1) / 2) * width
+            ax.bar(x, [res[split][who][f]["accuracy"] for f in families], width, label=label, color=color)
+        ax.set_xticks(np.arange(len(families)), families)
+        ax.set_ylim(0, 1.2)                          # room for the legend above the bars
+        ax.set_yticks(np.linspace(0, 1, 6))
+        ax.set_ylabel("right")
+        ax.set_title(f"{title}: right answers per mission family")
+        ax.legend(fontsize=7, ncol=len(bars), loc="upper center")
+    return fig
+
+
 def main(argv=None):
     args = parse_args(argv)
-    out = pathlib.Path(args.out)
-    results = json.loads(out.read_text()) if args.only and out.exists() and not args.quick else {}
-    results.update(quick=args.quick, seed=args.seed, additions=args.additions)
+    out = common.out_path("03_calculator", args.out, args.quick)
+    results = dict(quick=args.quick, seed=args.seed, additions=args.additions)
     t0 = time.perf_counter()
     if args.only in (None, "small"):
         results["small"] = part_small(args)
@@ -294,15 +274,16 @@ def main(argv=None):
               f"{res['train_minutes']['direct']:.1f} min (control), "
               f"{res['model']['train_tokens_per_s']['tool']:.0f} tokens/s; "
               f"{res['model']['trained_params']:,} trained numbers")
+    results["minutes_this_run"] = (time.perf_counter() - t0) / 60
+    print(f"\n{results['minutes_this_run']:.1f} minutes")
+    # With --only, the other part stays as the file has it, and the figure shows both.
+    results = common.write_json(out, results, merge=bool(args.only) and not args.quick)
     for key in ("small", "smollm2"):
         if key in results:
             ex = results[key]["additions"]["test"]
             print(f"\n{key}, one held-out-phrasing episode ([program] / model):\n  {ex['tool']['example']}"
                   f"\n  control: {ex['direct']['example']}")
-    results["minutes_this_run"] = (time.perf_counter() - t0) / 60
-    print(f"\n{results['minutes_this_run']:.1f} minutes -> {out}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    common.save_figure(lambda plt: plot_families(plt, results), out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -1,61 +1,35 @@
-"""04: error recovery and an unseen tool, measured on the small tool-using model.
+"""04: error recovery and an unseen tool, measured on the small tool-using model of experiments/03.
 
-The spec (section 1): a malformed call does not crash an episode, the tool answers a short
-`error: ...` the model reads like any result, "it may correct itself or not: measured"; the
-toolbox can fail the first call with a transient error (fail_first); and `mul` is never shown in
-training, to test whether the model can use a tool that is only described to it. This script runs
-the small model of experiments/03 (3 layers, d_model 128, trained from scratch on 20,000 missions)
-in the agent loop and counts, on fresh missions in the training phrasings and, separately, in
-held-out phrasings:
+A malformed call does not crash an episode: the tool answers a short `error: ...` that the model
+reads like any result (docs/DESIGN.md). On fresh missions, in the training phrasings and in held-out
+ones, this counts: (1) transient failures: with Toolbox(fail_first=True) the first call answers
+"error: tool busy, try again"; does the model call again, and still answer right? (2) malformed
+calls: the program writes a question, a malformed call and its error; does the model go on with a
+well-formed call and the right answer? And how often did the model itself write a call that got an
+error, and recover? (3) `mul`, never in training, described in a system line: is it used? (4) calls
+per episode and budget exhaustions. Every count is {k, n, rate}: k episodes of the n it applies to.
+The model: 03's checkpoint (`03_calculator.py --only small`); if missing, trained here, not saved.
 
-1. Transient failures. The same missions (one-call and chained families) with a plain Toolbox and
-   with Toolbox(seed, fail_first=True), whose first call answers `error: tool busy, try again`:
-   does the model call again, the same call, and still answer right?
-2. Malformed calls. The prompt is built as a "fix" mission's trace begins: the program writes the
-   question, a malformed call (`<|call|>add 4821<|result|>`, author PROGRAM) and its error, then
-   `<|assistant|>`; the model goes on from there. Does it make a well-formed call (the gold one?)
-   and answer right? The same questions without the mistake are the comparison.
-   Also, over every episode of this script: how often the model ITSELF wrote a call that got an
-   error, and whether it recovered (a later call that worked, the right answer).
-3. mul, never in training. missions.unseen_mul: "What is 37 times 52?" after the system line
-   "You can call mul A B to multiply A by B." (held-out phrasings only: mul has no training ones).
-   Does it call mul, correctly, and answer right; which tools does it call instead?
-4. Calls per episode and budget exhaustions ("stretch": 40 tokens without a result or <|end|>;
-   "calls": more than 8 calls) for every run.
-
-Every count is written as {k, n, rate}: k episodes out of the n it applies to ("called again
-after busy" applies only to episodes whose first call was answered busy).
-
-The model: experiments/results/03_small_tool.ckpt (written by `python experiments/03_calculator.py
---only small`). If it is missing, this script trains the same recipe itself and keeps it in memory
-only (it does not write experiments/03's checkpoint).
-
-Run:
-    python experiments/04_recovery.py            # N = 500 per split and measure, 5,000 episodes: 30 s
-    python experiments/04_recovery.py --quick    # smoke test: a tiny model trained here, 10-20 s
-Times measured on 2 shared CPU cores with the checkpoint present (training it here adds about
-3 minutes); not measured on a GPU, where the small model would leave the host-side Python loop as
-the bottleneck. Writes experiments/results/04_recovery.json.
+    python experiments/04_recovery.py            # 500 missions per split and measure: ~30 s (+3 min to train)
+    python experiments/04_recovery.py --quick    # a tiny model trained here: 10-20 s
+Times on 2 CPU cores shared with other jobs; not run on a GPU. Writes experiments/results/04_recovery.json
+and, with matplotlib, 04_recovery.png: right answers per condition, training vs held-out phrasings.
 """
 
 import argparse
 import collections
 import dataclasses
-import json
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
+import common
+from minagent import agent, chat, model, train
+from minagent.tasks.calculator import demo, missions
+from minagent.tools import BUSY, Toolbox
 
-from minagent import agent, chat, demo, missions, model, train  # noqa: E402
-from minagent.tools import BUSY, Toolbox  # noqa: E402
-
-RESULTS = ROOT / "experiments" / "results"
-CKPT = RESULTS / "03_small_tool.ckpt"
 SPLITS = {"train": "training phrasings", "test": "held-out phrasings"}
 QUESTIONS = missions.SINGLE + missions.MULTI      # the families a retry or fix mission is built on
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)   # --quick only
@@ -66,16 +40,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=500, help="missions per split, for each measure")
-    p.add_argument("--ckpt", default=str(CKPT), help="the small tool user; trained here if missing")
+    p.add_argument("--ckpt", default=None, help="the small tool user (default: 03's checkpoint for --missions, "
+                   "--steps and --seed); trained here if missing")
     p.add_argument("--missions", type=int, default=20000, help="training missions, if training here")
     p.add_argument("--steps", type=int, default=500, help="training steps, if training here")
     p.add_argument("--slots", type=int, default=64, help="episodes decoded together")
     p.add_argument("--examples", type=int, default=3, help="transcripts kept per measure and split")
     p.add_argument("--quick", action="store_true", help="a tiny model trained here, few missions: a smoke test")
-    p.add_argument("--out", default=str(RESULTS / "04_recovery.json"))
+    p.add_argument("--out", default=None, help="the JSON file (default experiments/results/04_recovery.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.missions, args.steps, args.n, args.slots, args.examples = 300, 20, 6, 16, 1
+    args.ckpt = pathlib.Path(args.ckpt or common.small_checkpoint("tool", args.missions, args.steps, args.seed))
     return args
 
 
@@ -83,11 +59,11 @@ def parse_args(argv=None):
 
 def small_model(args):
     """-> params, cfg, tok, where they came from. experiments/03's checkpoint, or its recipe run here."""
-    if not args.quick and pathlib.Path(args.ckpt).exists():
+    if not args.quick and args.ckpt.exists():
         c = train.load_checkpoint(args.ckpt)
-        return c["params"], c["cfg"], c["tokenizer"], dict(checkpoint=args.ckpt, step=c["step"],
+        return c["params"], c["cfg"], c["tokenizer"], dict(checkpoint=common.in_repo(args.ckpt), step=c["step"],
                                                              tcfg=dataclasses.asdict(c["tcfg"]))
-    print(f"no checkpoint at {args.ckpt}: training experiments/03's recipe ({args.steps} steps)"
+    print(f"no checkpoint at {common.in_repo(args.ckpt)}: training experiments/03's recipe ({args.steps} steps)"
           if not args.quick else f"--quick: a tiny model, {args.steps} steps on {args.missions} missions")
     train_ms = missions.generate(args.missions, seed=args.seed + 1, split="train", families=demo.FAMILIES)
     tok = demo.mission_tokenizer(train_ms)
@@ -99,15 +75,15 @@ def small_model(args):
 
 
 class Runner:
-    """agent.run over one warm Batch: the decode steps compile once for the whole script."""
+    """agent.run over one Batch for the whole script: the decode steps compile once."""
 
     def __init__(self, params, cfg, tok, slots):
-        self.params, self.cfg, self.tok, self.slots, self.batch = params, cfg, tok, slots, None
+        self.batch = agent.new_batch(params, cfg, tok, demo.FMT, slots=slots, max_len=MAX_LEN)
+        self.tok = tok
         self.all = []       # every record of the script, for the count of the model's own mistakes
 
     def __call__(self, prompts, boxes):
-        records, self.batch = agent.run(self.params, self.cfg, self.tok, demo.FMT, prompts, boxes,
-                                        slots=self.slots, max_len=MAX_LEN, batch=self.batch)
+        records = agent.run(self.batch, self.tok, demo.FMT, prompts, boxes)
         self.all += records
         return records
 
@@ -293,6 +269,29 @@ def print_table(res):
     print(f"  {'mul, without the description':40}  {'':>18}  {calls(w['budget']):>18}")
 
 
+FIGURE = (("transient", "right_plain", "right, plain toolbox"),
+          ("transient", "right_fail_first", "right, first call answered busy"),
+          ("transient", "called_again", "called again after busy"),
+          ("malformed", "right_without_mistake", "right, no mistake in the prompt"),
+          ("malformed", "right", "right after a malformed call"),
+          ("malformed", "first_call_ok", "a well-formed call after the error"))
+
+
+def plot_rates(plt, res):
+    """The main rates of parts 1 and 2, on training and held-out phrasings."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    y = np.arange(len(FIGURE))
+    for j, (split, label) in enumerate(SPLITS.items()):
+        rates = [res[split][part][key]["rate"] or 0 for part, key, _ in FIGURE]
+        ax.barh(y + (j - 0.5) * 0.4, rates, 0.4, label=label)
+    ax.set_yticks(y, [label for *_, label in FIGURE])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel(f"share of episodes (of {res['n']} per split, or of those it applies to)")
+    ax.legend(fontsize=8, ncol=2, loc="lower center", bbox_to_anchor=(0.5, 1.0))    # above the bars
+    return fig
+
+
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -318,11 +317,10 @@ def main(argv=None):
     print(f"\nmul, an episode:\n  {res['mul']['examples'][0]}")
     for ex in res["mul"]["examples_with_calls"][:1]:
         print(f"mul, the first episode with a call:\n  {ex}")
-    print(f"\n{res['episodes']} episodes, {res['eval_seconds']:.0f} s in the loop; {res['minutes']:.1f} minutes "
-          f"-> {args.out}")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, ensure_ascii=False) + "\n")
+    print(f"\n{res['episodes']} episodes, {res['eval_seconds']:.0f} s in the loop; {res['minutes']:.1f} minutes")
+    out = common.out_path("04_recovery", args.out, args.quick)
+    common.write_json(out, res)
+    common.save_figure(lambda plt: plot_rates(plt, res), out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -1,64 +1,35 @@
 """05: what the KV cache saves, counted by the engine itself.
 
-The spec (section 1, "What the cache saves"): without a cache each resume re-reads the whole
-episode from the start; for a mission of four calls the model goes through 57 positions with the
-cache and 215 without, and the gap grows as the square of the number of calls.
+Without a cache each resume re-reads the whole episode from the start, so the positions pushed
+through the model grow as the square of the number of calls (docs/DESIGN.md). The missions: chains
+of additions with exactly k calls, k = 1..8 ("Add up 12, 7 and 30.": add 12 7, then add 19 30). A
+small model (3 layers, d_model 128) trained from scratch on such chains runs new ones through the
+agent loop with and without the cache. Greedy, so both write the same tokens (checked), and the
+engine's counts (Record.positions) are checked against counts by hand from the tokens alone:
+with the cache T - 1, without it the sum of the stretch ends. Then the loop's wall time with and
+without the cache on 64 episodes of 4 and of 8 calls (on shared cores these vary by 2-4x).
 
-The missions: chains of additions with exactly k calls, k = 1..8, in minagent's format with a BPE
-trained on their text (digits split). The gold trace of a 2-call chain, one segment a line:
-
-    PROGRAM  <|user|>Add up 12, 7 and 30.<|assistant|>
-    MODEL    <|call|>add 12 7<|result|>
-    PROGRAM  19<|assistant|>
-    MODEL    <|call|>add 19 30<|result|>
-    PROGRAM  49<|assistant|>
-    MODEL    49<|end|>
-
-A small model (demo.SMALL: 3 layers, d_model 128) is trained from scratch on such chains, then new
-chains go through agent.run with cache=True and cache=False. Decoding is greedy, so both runs write
-the same tokens (checked); record.positions is the engine's own count. Episodes are grouped by the
-number of calls the model actually made, right answer or not. Each count is also checked against
-the count by hand: a stretch ends on a token the model sampled and never pushed (each <|result|> it
-wrote, and its last token). With the cache every other token is pushed once: T - 1. Without it the
-stretch that ends at index e re-reads the episode from 0 and pushes e positions, so the total is the
-sum of the stretch ends: with k rounds of r tokens each, a quadratic in k. The gold traces' counts
-(by hand, no model) are printed too.
-
-Then the wall time of the loop with and without the cache on 64 episodes of 4 and of 8 calls. The
-time ratio is smaller than the positions ratio: both runs take the same decode steps (one token
-per step for every episode); what the cache saves is the re-reading, which is prefill, many
-positions per call. On 2 shared CPU cores these times vary by 2-4x with the load.
-
-Run:
-    python experiments/05_cache.py           # CPU (2 cores): ~13 min the first time (12 of them training,
-                                             # 800 steps), 35 s once the model is cached
-    python experiments/05_cache.py --quick   # CPU: ~30 s; a 2-layer d_model 64 model trained 150 steps,
-                                             # 1 to 3 calls: the counts are whatever it does, right or wrong
-No GPU needed.
-The trained model is cached (git-ignored) in experiments/results/05_cache.ckpt; --retrain ignores it.
-Writes experiments/results/05_cache.json and, if matplotlib is installed, 05_cache.png.
+    python experiments/05_cache.py           # ~13 min the first time (12 of them training), ~35 s cached
+    python experiments/05_cache.py --quick   # ~30 s: a 2-layer model trained 150 steps, 1 to 3 calls
+Times on 2 CPU cores; not run on a GPU. The model is cached (git-ignored) in experiments/results/05_cache-*.ckpt;
+--retrain ignores it. Writes experiments/results/05_cache.json and, with matplotlib, 05_cache.png.
 """
 
 import argparse
-import json
-import pathlib
 import random
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import common
+from minagent import agent, chat, model, train
+from minagent import tokenizer as tk
+from minagent.tasks.calculator import demo
+from minagent.tools import Toolbox
 
-from minagent import agent, chat, demo, model, train  # noqa: E402
-from minagent import tokenizer as tk  # noqa: E402
-from minagent.tools import Toolbox  # noqa: E402
-
-RESULTS = ROOT / "experiments" / "results"
 FMT = chat.MINAGENT
-SPEC_4_CALLS = (57, 215)   # positions with and without the cache, the design documents' 4-call mission
+DESIGN_4_CALLS = (57, 215)   # positions with and without the cache, docs/DESIGN.md's 4-call mission
 
 
 def chain(k, rng):
@@ -88,35 +59,38 @@ def by_hand(tokens, authors, result_id):
 
 
 def get_model(args):
-    """The chain-trained model: from the cached checkpoint if it matches the arguments, else trained now."""
-    ckpt, recipe = RESULTS / "05_cache.ckpt", dict(steps=args.steps, train=args.train, seed=args.seed,
-                                                   ks=args.ks, vocab_size=args.vocab_size, seq_len=args.seq_len)
-    if not args.quick and ckpt.exists() and not args.retrain:
-        c = train.load_checkpoint(ckpt)
-        if c["extra"] == recipe:
-            print(f"model from {ckpt.relative_to(ROOT)}")
-            return c["params"], c["cfg"], c["tokenizer"]
-    data = chains(args.train // len(args.ks), args.ks, args.seed)
-    tok = tk.train("\n".join(chat.text(t) for *_, t in data[::4]), args.vocab_size, pattern=tk.SMOLLM_PATTERN,
-                   specials=tk.MINAGENT_SPECIALS)
+    """The chain-trained model -> (params, cfg, tok): cached under its recipe, or trained now."""
     arch = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128) if args.quick else demo.SMALL
-    cfg = model.Config(vocab_size=tok.n_vocab, **arch)
-    exs = [chat.render(t, tok) for *_, t in data]
-    tcfg = train.TrainConfig(steps=args.steps, batch_size=32, seq_len=args.seq_len, lr=3e-3,
-                             warmup=min(50, args.steps // 5), seed=args.seed, log_every=25)
-    params = model.init(jax.random.PRNGKey(args.seed), cfg)
-    print(f"training {model.n_params(params):,} parameters on {len(exs)} chains for {args.steps} steps")
-    params, _ = train.train(params, cfg, exs, tcfg, progress=not args.quick)
-    if not args.quick:
-        train.save_checkpoint(ckpt, params, None, cfg, tcfg, args.steps, tokenizer=tok, extra=recipe)
-    return params, cfg, tok
+    recipe = dict(steps=args.steps, train=args.train, seed=args.seed, ks=args.ks, vocab_size=args.vocab_size,
+                  seq_len=args.seq_len, arch=arch)
+
+    def train_fn(path):
+        data = chains(args.train // len(args.ks), args.ks, args.seed)
+        tok = tk.train("\n".join(chat.text(t) for *_, t in data[::4]), args.vocab_size,
+                       pattern=tk.SMOLLM_PATTERN, specials=tk.MINAGENT_SPECIALS)
+        cfg = model.Config(vocab_size=tok.n_vocab, **arch)
+        exs = [chat.render(t, tok) for *_, t in data]
+        tcfg = train.TrainConfig(steps=args.steps, batch_size=32, seq_len=args.seq_len, lr=3e-3,
+                                 warmup=min(50, args.steps // 5), seed=args.seed, log_every=25)
+        params = model.init(jax.random.PRNGKey(args.seed), cfg)
+        print(f"training {model.n_params(params):,} parameters on {len(exs)} chains for {args.steps} steps")
+        params, _ = train.train(params, cfg, exs, tcfg, progress=not args.quick)
+        if path:
+            train.save_checkpoint(path, params, None, cfg, tcfg, args.steps, tokenizer=tok, extra=recipe)
+        return dict(params=params, cfg=cfg, tokenizer=tok)
+
+    c = common.cached("05_cache", recipe, train_fn, retrain=args.retrain, quick=args.quick)
+    return c["params"], c["cfg"], c["tokenizer"]
 
 
-def loop(params, cfg, tok, prompts, cache, batch=None):
-    # max_len: room for 8 stretches of 40 tokens and 8 results, whatever the model writes (agent.run
-    # raises if a resume would not fit); pages are taken only as the episode grows.
-    return agent.run(params, cfg, tok, FMT, prompts, [Toolbox(0) for _ in prompts], slots=64, max_len=1024,
-                     cache=cache, batch=batch)
+def new_batch(params, cfg, tok, cache):
+    # max_len: room for 8 stretches of 40 tokens and 8 results, whatever the model writes (an episode
+    # that would not fit ends as "max_len"); pages are taken only as the episode grows.
+    return agent.new_batch(params, cfg, tok, FMT, slots=64, max_len=1024, cache=cache)
+
+
+def loop(batch, tok, prompts):
+    return agent.run(batch, tok, FMT, prompts, [Toolbox(0) for _ in prompts])
 
 
 def main():
@@ -133,21 +107,20 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retrain", action="store_true", help="ignore the cached checkpoint")
     ap.add_argument("--quick", action="store_true", help="a tiny model, 150 steps, 1 to 3 calls: about 30 s")
-    ap.add_argument("--out", default=str(RESULTS / "05_cache.json"))
+    ap.add_argument("--out", default=None, help="the JSON file (default experiments/results/05_cache.json)")
     args = ap.parse_args()
     if args.quick:
         args.max_calls, args.per_k, args.train, args.steps, args.seq_len = 3, 4, 600, 150, 128
         args.timed, args.timed_episodes, args.repeats = [3], 8, 1
     args.ks = list(range(1, args.max_calls + 1))
     t_start = time.perf_counter()
-    RESULTS.mkdir(parents=True, exist_ok=True)
 
     params, cfg, tok = get_model(args)
     result_id = tok.special(FMT.result)
     test = chains(args.per_k, args.ks, args.seed + 1)        # another seed: chains it has not seen
     prompts = [p for _, p, _, _ in test]
-    cached, _ = loop(params, cfg, tok, prompts, cache=True)
-    uncached, _ = loop(params, cfg, tok, prompts, cache=False)
+    cached = loop(new_batch(params, cfg, tok, cache=True), tok, prompts)
+    uncached = loop(new_batch(params, cfg, tok, cache=False), tok, prompts)
     same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(cached, uncached))
     checked = all((a.positions, b.positions) == by_hand(a.tokens, a.authors, result_id)
                   for a, b in zip(cached, uncached))
@@ -171,7 +144,8 @@ def main():
         gold = f"{r['gold_cache']:>9.1f} {r['gold_no_cache']:>12.1f}" if r["gold_cache"] else f"{'-':>9} {'-':>12}"
         print(f"{r['calls']:>5} {r['episodes']:>8} {r['right']:>5} {r['cache']:>10.1f} {r['no_cache']:>8.1f} "
               f"{r['no_cache'] / r['cache']:>6.2f} {gold}")
-    print(f"(the spec, 4 calls with its tokens: {SPEC_4_CALLS[0]} with the cache, {SPEC_4_CALLS[1]} without)")
+    print(f"(docs/DESIGN.md, 4 calls with its tokens: {DESIGN_4_CALLS[0]} with the cache, "
+          f"{DESIGN_4_CALLS[1]} without)")
 
     fit = {}
     x = np.array([r["calls"] for r in rows], float)
@@ -190,19 +164,19 @@ def main():
 
     # Wall time of the whole loop on the same episodes: the median of `repeats` runs on a warm Batch.
     # warmup() compiles every prefill and decode shape, and one untimed run of the same episodes comes
-    # first: the first run after compilation is still slower (up to 2x here).
+    # first: the first run after compilation is still slower.
     timings = []
     for k in args.timed:
         ps = [p for _, p, _, _ in chains(args.timed_episodes, [k], args.seed + 2)]
         row = dict(calls=k, episodes=len(ps))
         for cache in (True, False):
-            _, batch = loop(params, cfg, tok, ps, cache)
+            batch = new_batch(params, cfg, tok, cache)
+            loop(batch, tok, ps)
             batch.warmup()
             times = []
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                recs, _ = loop(params, cfg, tok, ps, cache, batch=batch)
-                times.append(time.perf_counter() - t0)
+                recs, seconds = common.timed(loop, batch, tok, ps)
+                times.append(seconds)
             name = "cache" if cache else "no_cache"
             row[name + "_s"] = float(np.median(times))
             row[name + "_positions"] = sum(r.positions for r in recs)
@@ -216,24 +190,16 @@ def main():
 
     elapsed = time.perf_counter() - t_start
     print(f"\n{elapsed:.0f} s in all")
-    out = pathlib.Path(args.out)
+    out = common.out_path("05_cache", args.out, args.quick)
     results = dict(quick=args.quick, steps=args.steps, params=model.n_params(params), same_tokens=same,
-                   engine_matches_by_hand=checked, spec_4_calls=SPEC_4_CALLS, rows=rows, fit=fit,
+                   engine_matches_by_hand=checked, design_4_calls=DESIGN_4_CALLS, rows=rows, fit=fit,
                    timings=timings, seconds=round(elapsed, 1))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"-> {out}")
-    plot(rows, fit, out.with_suffix(".png"))
+    common.write_json(out, results)
+    common.save_figure(lambda plt: plot(plt, rows, fit), out.with_suffix(".png"))
 
 
-def plot(rows, fit, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no figure: matplotlib is not installed)")
-        return
+def plot(plt, rows, fit):
+    """Positions through the model per episode, by the calls it made: with and without the cache."""
     x = [r["calls"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(x, [r["no_cache"] for r in rows], "o", label="without the cache")
@@ -245,9 +211,7 @@ def plot(rows, fit, path):
     ax.set_xlabel("calls in the episode")
     ax.set_ylabel("positions through the model")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"-> {path}")
+    return fig
 
 
 if __name__ == "__main__":

@@ -1,72 +1,37 @@
-"""06: keeping long agent turns inside the context window (SPEC part 2).
+"""06: keeping long agent turns inside the context window (docs/DESIGN.md, "Context").
 
-The missions (minagent/reading.py): "Which of chapters 1 to 20 mention a lighthouse?", one `read N`
-call per chapter of a seeded book (minagent/book.py), a short note after each read ("chapter 3 of 20:
-yes. so far: 3"), and in the last note the answer ("chapter 20 of 20: no. answer: 3 8 17"). One long
-turn, like a sub-agent's: its brief, then rounds.
+The missions (minagent/tasks/context/reading.py) ask which of chapters A to B of a seeded book mention
+a motif: one `read N` call and a short note per chapter, the answer in the last note; one long turn.
+(a) 8 scripted sub-agents read 20 chapters each within a budget of about four: old trimming
+    (fit.old_trim) against the three-step fit (fit.fit), which clears old results.
+(b) What clearing results 1, 2, 4 or 8 at a time costs a prefix cache: scripted episodes of 30
+    chapters pushed through a Batch (send() keeps the cache of the common start of two views):
+    positions pushed, the engine's count checked by hand, against the same without a cache.
+(c) A small model (3 layers, d_model 128) trained on fitted views of short missions reads longer
+    ones in the agent loop: with fit, with old trimming, without fitting, and without with room.
 
-(a) The spec's sub-agent test, at the level of histories: 8 sub-agents, each asked to read 20 chapters
-    with a budget of about four chapters (estimated tokens, context.estimate_counter). The model is
-    scripted (reading.reader: it writes what the gold trace would, looking only at the view it is
-    sent). Old trimming (context.old_trim: cuts only where a user message starts) has nowhere to cut
-    in a single turn and refuses all 8; the three-step fit (context.fit) refuses none, and all 8 answer
-    right: the notes carry what the cleared results held.
-(b) What clearing in groups costs a prefix cache: scripted episodes of 30 chapters pushed through a
-    Batch (a tiny random model: only the counts matter) with Batch.rewrite, which keeps the cache of
-    the longest common prefix of the old and new views. Results cleared 1, 2, 4 or 8 at a time
-    (context.fit's `group`): positions pushed through the model (the engine's count, checked by
-    hand), requests whose start changed, tokens sent. Without a cache every request is read whole.
-(c) A small model (3 layers, d_model 128) trained from scratch on the views the model really sees
-    (reading.examples: views fitted to a budget of 160 tokens, with cleared results and dropped
-    rounds; 3,000 missions of 3-12 chapters of 6 sentences, 2,000 steps of 16 x 192 tokens) reads
-    missions of 8-12 chapters (609-974 tokens whole) in the agent loop: with fitting="fit", with
-    fitting="old", without fitting at a max_len of about the budget, and without fitting with room.
-    Three choices made it learnable; without them it wrote right notes and wrong lists (0 / 32): a
-    GPT-2 pre-tokenizer, so that each chapter number " 14" is one piece (with digits split, 400 steps
-    at budget 384: 0 / 32); notes that name the last chapter ("of 12"), so that the decision to stop
-    compares two numbers side by side; and missions within chapters 1-24, fewer numbers to tell apart
-    (with 1-40 and 1,200 steps: 0 / 32, the lists copied with neighbours swapped in, "16" for "15").
-
-Found (seed 0, experiments/results/06_context.json):
-    (a) old trimming: 8 / 8 refused (after 4.9 chapters); three-step fit: 0 refused, 8 / 8 right.
-    (b) budget 2048: positions 208,564 / 160,021 / 91,084 / 63,373 clearing 1 / 2 / 4 / 8 at a time
-        (357,111 without a cache, group 4); budget 1024, where dropping whole rounds (step 3) changes
-        the start of most requests anyway: 155,527 / 136,443 / 120,143 / 119,628.
-    (c) fit: 23 / 32 right, all 32 done, every yes/no note right (308 / 308); the 9 wrong: a number
-        dropped or changed while copying the list (5), or the answer written a chapter or more early
-        (4). old: 32 / 32 refused. No fitting, max_len 240: 32 / 32 "max_len". No fitting with room
-        (max_len 1536): 3 / 32 right (it never trained on a view longer than 181 tokens).
-
-Run:
-    python experiments/06_context.py            # CPU (2 cores): ~10 min the first time (9.7 min training
-                                                # at ~10,000 tokens/s on quiet cores; twice that with another
-                                                # job running), 35 s once the model is cached
-    python experiments/06_context.py --quick    # CPU: ~30 s, smaller everything, a model trained 20 steps
-No GPU needed (not run on one). The model of (c) is cached (git-ignored) in
-experiments/results/06_context.ckpt; --retrain ignores it. Writes experiments/results/06_context.json.
+    python experiments/06_context.py           # ~10-16 min the first time (training (c)), ~35 s cached
+    python experiments/06_context.py --quick   # ~30 s: everything smaller, a model trained 20 steps
+Times on 2 CPU cores; not run on a GPU. The model of (c) is cached (git-ignored) in results/06_context-*.ckpt;
+--retrain ignores it. Writes experiments/results/06_context.json and, with matplotlib, 06_context.png.
 """
 
 import argparse
 import collections
 import dataclasses
-import json
-import pathlib
+import functools
 import re
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import common
+from minagent import agent, chat, model, train
+from minagent import tokenizer as tk
+from minagent.batch import Batch
+from minagent.tasks.context import book, counting, fit, reading
 
-from minagent import agent, book, chat, context, model, reading, train  # noqa: E402
-from minagent import tokenizer as tk  # noqa: E402
-from minagent.batch import Batch  # noqa: E402
-from minagent.tools import Toolbox  # noqa: E402
-
-RESULTS = ROOT / "experiments" / "results"
 FMT = chat.MINAGENT
 
 
@@ -95,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=768)
     p.add_argument("--retrain", action="store_true", help="(c) ignore the cached checkpoint")
     p.add_argument("--quick", action="store_true", help="a smoke test: everything smaller, ~30 s")
-    p.add_argument("--out", default=str(RESULTS / "06_context.json"))
+    p.add_argument("--out", default=None, help="the JSON file (default experiments/results/06_context.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.subagents, args.episodes_b, args.chapters_b, args.budgets_b, args.groups = 3, 2, 14, [700], [1, 4]
@@ -109,10 +74,9 @@ def book_tokenizer(rs, vocab_size, within):
     The GPT-2 pre-tokenizer, not "smollm": chapter numbers are at most 40 and frequent, so with
     768 pieces each " 14" is one piece. Then the next call ("read 15" after "read 14") is a
     lookup, and "was that the last chapter?" compares one piece with one piece of the question.
-    (With digits split, a 3-layer model trained 400 steps wrote no right answer: 0 / 32.)
     """
-    text = "\n".join(context.render_message(m, FMT).text for r in rs for m in r.history)
-    notes = "\n".join([context.render_message(m, FMT).text for m in (context.CLEARED, context.NOTE)] * 50)
+    text = "\n".join(chat.render_message(m, FMT).text for r in rs for m in r.history)
+    notes = "\n".join([chat.render_message(m, FMT).text for m in (fit.CLEARED, fit.NOTE)] * 50)
     tok = tk.train(text + "\n" + notes, vocab_size, pattern=tk.GPT2_PATTERN, specials=tk.MINAGENT_SPECIALS)
     split = [n for n in range(1, within + 1) if len(tok.encode(f" {n}")) > 1]
     if split:
@@ -123,11 +87,11 @@ def book_tokenizer(rs, vocab_size, within):
 # ---------------------------------------------------------------- (a) 8 sub-agents, one long turn each
 
 def part_a(args):
-    count = context.estimate_counter()
+    count = counting.estimate_counter()
     subs = [reading.mission(seed=args.seed + 100 + i, first=1, last=args.chapters) for i in range(args.subagents)]
     whole = [sum(map(count, r.history)) for r in subs]
     rows = []
-    for name, fitting in (("old trimming", context.old_trim), ("three-step fit", context.fit)):
+    for name, fitting in (("old trimming", fit.old_trim), ("three-step fit", fit.fit)):
         outs = [reading.scripted(r, args.budget_a, count, fitting) for r in subs]
         steps = collections.Counter(s for o in outs for s in o["steps"])
         rows.append(dict(fitting=name, n=len(subs),
@@ -154,17 +118,17 @@ def part_a(args):
 def requests(r, budget, count, group, tok):
     """The token lists the model reads, one per model message: the fitted view and the message."""
     out = []
-    for view, i in reading.views(r.history, budget, count, lambda h, b, c: context.fit(h, b, c, group=group)):
-        out.append(chat.render(context.render_view(view + (r.history[i],), FMT), tok)[0].tolist())
+    for view, i in reading.views(r.history, budget, count, functools.partial(fit.fit, group=group)):
+        out.append(chat.render(fit.render_view(view + (r.history[i],), FMT), tok)[0].tolist())
     return out
 
 
 def through_batch(reqs_per_episode, params, cfg, max_len):
     """Push each episode's requests through a Batch, as the agent loop would -> (positions, kept by hand).
 
-    The model's message is forced (the last request's tokens end with it): rewrite() keeps the cache of
+    The model's message is forced (the last request's tokens end with it): send() keeps the cache of
     the longest common prefix with the last request and pushes the rest; one decode step pushes the last
-    token and samples one more, which the next rewrite replaces.
+    token and samples one more, which the next send replaces.
     """
     batch = Batch(params, cfg, slots=len(reqs_per_episode), n_pages=len(reqs_per_episode) * (max_len // 16 + 2),
                   page_size=16, max_len=max_len)
@@ -177,13 +141,14 @@ def through_batch(reqs_per_episode, params, cfg, max_len):
                 old, new = reqs[k - 1], reqs[k]
                 keep = next((j for j, (a, b) in enumerate(zip(old, new[:-1])) if a != b), min(len(old), len(new) - 1))
                 by_hand[e] += len(new) - keep
-                batch.rewrite(seq, new, 1)
+                batch.send(seq, new, 1)
         batch.step()
-    return batch.total_positions, sum(by_hand), batch.total_reprefilled
+    seqs = batch.seqs.values()
+    return sum(s.positions for s in seqs), sum(by_hand), sum(s.refilled for s in seqs)
 
 
 def part_b(args, tok):
-    count = context.exact_counter(tok, FMT)
+    count = counting.exact_counter(tok, FMT)
     eps = [reading.mission(seed=args.seed + 200 + i, first=1 + i % (book.N_CHAPTERS - args.chapters_b + 1),
                            last=i % (book.N_CHAPTERS - args.chapters_b + 1) + args.chapters_b)
            for i in range(args.episodes_b)]
@@ -202,7 +167,7 @@ def part_b(args, tok):
                              sent_mean=float(np.mean([len(x) for q in reqs for x in q]))))
             print(f"  budget {budget}, group {group}: {positions} positions", flush=True)
     print(f"\n(b) {len(eps)} scripted episodes of {args.chapters_b} chapters ({whole} tokens each, whole), "
-          f"pushed through a Batch with rewrite(); positions summed over the episodes")
+          f"pushed through a Batch with send(); positions summed over the episodes")
     print(f"{'budget':>6} {'group':>5} {'requests':>8} {'start changed':>13} {'positions':>9} {'by hand':>8} "
           f"{'no cache':>8} {'mean request':>12}")
     for r in rows:
@@ -225,13 +190,14 @@ def arch(args):
 
 
 def get_model(args):
-    """(params, cfg, tok, info): from the cached checkpoint if its recipe matches, else trained now."""
-    ckpt = RESULTS / "06_context.ckpt"
-    if not args.quick and ckpt.exists() and not args.retrain:
-        c = train.load_checkpoint(ckpt)
-        if c["extra"]["recipe"] == recipe(args):
-            print(f"model from {ckpt.relative_to(ROOT)}")
-            return c["params"], c["cfg"], c["tokenizer"], c["extra"]
+    """(params, cfg, tok, info): cached under its recipe, or trained now."""
+    c = common.cached("06_context", recipe(args), functools.partial(train_model, args), retrain=args.retrain,
+                      quick=args.quick)
+    return c["params"], c["cfg"], c["tokenizer"], c["extra"]
+
+
+def train_model(args, path):
+    """Train the model of (c) and save it at path (if not None) -> dict(params, cfg, tokenizer, extra=info)."""
     t0 = time.perf_counter()
     rs = reading.generate(args.train, seed=args.seed + 1, lengths=tuple(args.lengths), sentences=args.sentences,
                           within=args.within)
@@ -248,9 +214,9 @@ def get_model(args):
     params, history = train.train(params, cfg, exs, tcfg, progress=not args.quick)
     info = dict(recipe=recipe(args), views=len(exs), tokens=sum(len(t) for t, _ in exs), supervised=supervised,
                 seq_len=seq_len, final_loss=history[-1]["loss"], train_minutes=(time.perf_counter() - t0) / 60)
-    if not args.quick:
-        train.save_checkpoint(ckpt, params, None, cfg, tcfg, args.steps, tokenizer=tok, extra=info)
-    return params, cfg, tok, info
+    if path:
+        train.save_checkpoint(path, params, None, cfg, tcfg, args.steps, tokenizer=tok, extra=info)
+    return dict(params=params, cfg=cfg, tokenizer=tok, extra=info)
 
 
 def notes_right(record, r):
@@ -262,25 +228,36 @@ def notes_right(record, r):
     return right, len(marks)
 
 
+def tallied(fitting, steps):
+    """fitting, counting the step of each Fit it returns in `steps` (a Counter)."""
+    def counted(history, budget, count):
+        f = fitting(history, budget, count)
+        steps[f.step] += 1
+        return f
+    return counted
+
+
 def part_c(args, params, cfg, tok):
     rs = reading.generate(args.test, seed=args.seed + 2, lengths=tuple(args.test_lengths), sentences=args.sentences,
                           within=args.within)
-    count = context.exact_counter(tok, FMT)
+    count = counting.exact_counter(tok, FMT)
     whole = [sum(map(count, r.history)) for r in rs]
     room = args.budget_c + 2 * agent.MAX_STRETCH          # a view within the budget and a stretch after it
-    conditions = (("fit", dict(budget=args.budget_c, fitting="fit", max_len=room)),
-                  ("old", dict(budget=args.budget_c, fitting="old", max_len=room)),
-                  ("none", dict(budget=None, max_len=room)),
-                  ("none, room for all", dict(budget=None, max_len=-(-max(whole) // 256) * 256 + 512)))
+    conditions = (("fit", args.budget_c, fit.fit, room),                   # name, budget, fitting, max_len
+                  ("old", args.budget_c, fit.old_trim, room),
+                  ("none", None, None, room),
+                  ("none, room for all", None, None, -(-max(whole) // 256) * 256 + 512))
     rows = []
-    for name, kw in conditions:
-        boxes = [Toolbox(r.seed, tools=["read"], sentences=args.sentences) for r in rs]
+    for name, budget, fitting, max_len in conditions:
+        steps = collections.Counter()           # each fit's step (fit.REFUSED: -1), over every episode
+        view = agent.whole if budget is None else functools.partial(
+            fit.fitted_view, budget=budget, fitting=tallied(fitting, steps))
+        boxes = [book.toolbox(r.seed, args.sentences) for r in rs]
         t0 = time.perf_counter()
-        recs, _ = agent.run(params, cfg, tok, FMT, [r.question for r in rs], boxes, slots=len(rs),
-                            max_calls=book.N_CHAPTERS + 2, **kw)
+        batch = agent.new_batch(params, cfg, tok, FMT, slots=len(rs), max_len=max_len)
+        recs = agent.run(batch, tok, FMT, [r.question for r in rs], boxes, view=view, max_calls=book.N_CHAPTERS + 2)
         notes = [notes_right(rec, r) for rec, r in zip(recs, rs)]
-        steps = collections.Counter(s for rec in recs for s in rec.view_steps)
-        rows.append(dict(condition=name, budget=kw["budget"], max_len=kw["max_len"], n=len(rs),
+        rows.append(dict(condition=name, budget=budget, max_len=max_len, n=len(rs),
                          right=sum(reading.answer_of(rec.answer) == r.answer for rec, r in zip(recs, rs)),
                          statuses=dict(collections.Counter(rec.status for rec in recs)),
                          calls=float(np.mean([len(rec.calls) for rec in recs])),
@@ -304,10 +281,27 @@ def part_c(args, params, cfg, tok):
 
 # ---------------------------------------------------------------- main
 
+def plot_groups(plt, b):
+    """(b): positions through the model against the clearing group, one line per budget."""
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for i, budget in enumerate(sorted({r["budget"] for r in b["rows"]}, reverse=True)):
+        rows = sorted((r for r in b["rows"] if r["budget"] == budget), key=lambda r: r["group"])
+        groups = [r["group"] for r in rows]
+        ax.plot(groups, [r["positions"] for r in rows], "o-", color=f"C{i}", label=f"budget {budget}")
+        ax.plot(groups, [r["no_cache"] for r in rows], ":", color=f"C{i}", label=f"budget {budget}, no cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["group"] for r in b["rows"]}), [str(g) for g in sorted({r["group"] for r in b["rows"]})])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("results cleared at a time (group)")
+    ax.set_ylabel("positions through the model")
+    ax.legend(fontsize=8)
+    return fig
+
+
+
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.perf_counter()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     results = dict(quick=args.quick, seed=args.seed)
     results["a"] = part_a(args)
     params, cfg, tok, info = get_model(args)
@@ -316,10 +310,9 @@ def main(argv=None):
                         **part_c(args, params, cfg, tok))
     results["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"\n{results['seconds']:.0f} s in all")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"-> {out}")
+    out = common.out_path("06_context", args.out, args.quick)
+    common.write_json(out, results)
+    common.save_figure(lambda plt: plot_groups(plt, results["b"]), out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

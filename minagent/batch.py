@@ -141,13 +141,15 @@ class Batch:
         if seq.status not in WAITING:
             raise ValueError(f"sequence {id} is {seq.status}; only {'/'.join(WAITING)} sequences are sent tokens")
         tokens = self._check(tokens, limit)
-        keep = 0
-        if self.use_cache:
-            for old, new in zip(seq.tokens[:min(seq.cached, len(tokens) - 1)], tokens):
-                if old != new:
-                    break
-                keep += 1
-        self._release(seq, keep=pages_for(keep, self.page_size))
+        shared = 0
+        for old, new in zip(seq.tokens[:min(seq.cached, len(tokens) - 1)], tokens):
+            if old != new:
+                break
+            shared += 1
+        # Without a cache nothing is kept, but the pages are, as with one: the same pages hold the same
+        # positions either way, so the two runs are scheduled alike and differ only in what they push.
+        keep = shared if self.use_cache else 0
+        self._release(seq, keep=pages_for(shared, self.page_size))
         if tokens[:len(seq.tokens)] != seq.tokens:          # not only appended to: a changed view
             seq.refilled += len(tokens) - keep
         seq.tokens, seq.pending, seq.stretch = tokens, tokens[keep:], len(tokens)

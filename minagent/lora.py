@@ -27,10 +27,10 @@ New tokens. model.add_tokens gives new tokens mean-initialised embedding rows:
 identical rows, so with tied embeddings two new tokens always get the same
 logit and the model could never tell `<|call|>` from `<|result|>` when writing.
 LoRA does not touch the embedding table. `new_rows=n` adds a trainable delta
-[n, D] to the table's last n rows (with tied embeddings, the output head too),
+[E, D] to the table's last E rows (with tied embeddings, the output head too),
 starting at zero like B.
 
-Shape legend: L layers, I input dim, O output dim, R rank, N new rows, D d_model.
+Shape letters: docs/DESIGN.md, "Shape legend" (R the rank, E new embedding rows).
 """
 
 import functools
@@ -45,7 +45,7 @@ TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")   # the attention
 
 def init(key, params, rank=8, targets=TARGETS, new_rows=0):
     """Adapters for `targets`: {name: {"a": [L, I, R] ~ normal(0, 1/sqrt(I)), "b": [L, R, O] zeros}},
-    plus {"new_rows": [N, D] zeros} if new_rows > 0.
+    plus {"new_rows": [E, D] zeros} if new_rows > 0.
 
     A is random so that B's gradient is not zero at the start; B is zero so that
     the tuned model starts exactly at the base model.

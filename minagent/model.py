@@ -9,16 +9,14 @@ a SwiGLU MLP, and an output head tied to the embedding table or not.
 
 The layers' weights are stacked along a leading L axis and the forward pass
 runs `jax.lax.scan` over them: one compiled layer instead of L copies, which
-keeps compile time flat in depth (SmolLM2 has 30 layers).
+keeps compile time flat in depth (SmolLM2 has 30 layers). A shallow model is
+unrolled instead: for a few layers the loop's bookkeeping (slicing each
+layer's weights out, stacking their gradients) costs more than it saves.
 
 The pieces of a layer (`qkv`, `attend`, `finish_layer`) are public because the
 paged decode step (decode.py) runs the same layer with keys and values read
 from the cache instead of computed for the whole sequence.
-
-Shape legend (suffixes on array names):
-    B batch   T time (query positions)   S key positions   D d_model
-    N query heads   K key/value heads   G = N // K queries per kv head
-    H head dim   F MLP hidden   V vocabulary   L layers
+Shape letters (suffixes on array names): docs/DESIGN.md, "Shape legend".
 """
 
 import dataclasses
@@ -98,6 +96,19 @@ def with_vocab(cfg, params):
 
 # ---------------------------------------------------------------- the pieces
 
+UNROLL = 4   # a model of at most this many layers is unrolled, not scanned
+
+
+def dense(x_BxTxI, w_IxO):
+    """x @ w with the leading axes folded into one: [B, T, I] -> [B*T, I] @ [I, O] -> [B, T, O].
+
+    The same product. Why fold: on CPU, XLA's backward pass through a 3-D product writes its
+    gradients through slow transposes; the 2-D one does not.
+    """
+    *lead, I = x_BxTxI.shape
+    return (x_BxTxI.reshape(-1, I) @ w_IxO).reshape(*lead, w_IxO.shape[-1])
+
+
 def rms_norm(x_BxTxD, w_D, eps):
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
@@ -128,9 +139,9 @@ def qkv(lp, cfg, x_BxTxD, positions_BxT):
     B, T, _ = x_BxTxD.shape
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.norm_eps)
-    q_BxTxNxH = (h_BxTxD @ lp["wq"]).reshape(B, T, N, H)
-    k_BxTxKxH = (h_BxTxD @ lp["wk"]).reshape(B, T, K, H)
-    v_BxTxKxH = (h_BxTxD @ lp["wv"]).reshape(B, T, K, H)
+    q_BxTxNxH = dense(h_BxTxD, lp["wq"]).reshape(B, T, N, H)
+    k_BxTxKxH = dense(h_BxTxD, lp["wk"]).reshape(B, T, K, H)
+    v_BxTxKxH = dense(h_BxTxD, lp["wv"]).reshape(B, T, K, H)
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, cfg.rope_theta)
     k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_theta)
     return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
@@ -151,10 +162,10 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
 
 def finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH):
     """The rest of a layer after attention: output projection, residual, SwiGLU MLP, residual."""
-    x_BxTxD = x_BxTxD + attn_BxTxNH @ lp["wo"]
+    x_BxTxD = x_BxTxD + dense(attn_BxTxNH, lp["wo"])
     h_BxTxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.norm_eps)
-    gate_BxTxF = jax.nn.silu(h_BxTxD @ lp["w_gate"])
-    return x_BxTxD + (gate_BxTxF * (h_BxTxD @ lp["w_up"])) @ lp["w_down"]
+    gate_BxTxF = jax.nn.silu(dense(h_BxTxD, lp["w_gate"]))
+    return x_BxTxD + dense(gate_BxTxF * dense(h_BxTxD, lp["w_up"]), lp["w_down"])
 
 
 def embed(params, tokens_BxT):
@@ -165,7 +176,8 @@ def unembed(params, cfg, x_BxTxD):
     """Final norm and output head -> float32 logits."""
     h_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
     w_DxV = params["unembed"] if "unembed" in params else params["embed"].T
-    return jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
+    B, T, D = h_BxTxD.shape          # folded to 2-D as in dense()
+    return jnp.dot(h_BxTxD.reshape(B * T, D), w_DxV, preferred_element_type=jnp.float32).reshape(B, T, -1)
 
 
 # ---------------------------------------------------------------- whole sequences
@@ -189,7 +201,7 @@ def forward(params, cfg, tokens_BxT, positions_BxT=None, segments_BxT=None):
         q, k, v = qkv(lp, cfg, x_BxTxD, positions_BxT)
         return finish_layer(lp, cfg, x_BxTxD, attend(q, k, v, mask_BxTxS)), None
 
-    x_BxTxD, _ = jax.lax.scan(layer, embed(params, tokens_BxT), params["layers"])
+    x_BxTxD, _ = jax.lax.scan(layer, embed(params, tokens_BxT), params["layers"], unroll=cfg.n_layers <= UNROLL)
     return unembed(params, cfg, x_BxTxD)
 
 

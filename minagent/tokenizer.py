@@ -265,7 +265,7 @@ def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGEN
     """Learn the merges from chunks already split and counted: {" the": 537, " cat": 2, ...}.
 
     `train` counts a text's chunks and calls this; a corpus that comes as word frequencies
-    instead of running text (tasks/context/count.py's wordfreq_chunks) calls it directly. Each chunk should be one
+    instead of running text (tasks/context/counting.py's wordfreq_chunks) calls it directly. Each chunk should be one
     the pattern would cut: merges learned inside it are applied chunk by chunk when encoding."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size counts the 256 byte pieces, so it must be >= 256, got {vocab_size}")

@@ -6,11 +6,33 @@ tests/engine/ tests the engine (minagent/*.py), tests/tasks/ the applications
 
 import os
 
-import jax
-import numpy as np
-import pytest
-
+# CPU by default. The tests' models are tiny, so compiling dominates their time: XLA's backend
+# optimisations are turned off (a third less time, the same numbers to the tests' tolerances).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# With pytest-xdist (the default: -n 2 in pyproject.toml) both workers compile many of the same steps;
+# a compilation cache on disk, shared by the workers of this run only, lets the second read the first's.
+if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+    import tempfile
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(tempfile.gettempdir(), f"minagent-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_sessionfinish(session):
+    """The controller (not a worker) removes the run's compilation cache."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run and not hasattr(session.config, "workerinput"):
+        import shutil
+        import tempfile
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"minagent-tests-{run}"), ignore_errors=True)
 
 from minagent import chat, model, weights  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402

@@ -32,7 +32,7 @@ def memorised(tok):
     tokens, authors = chat.render(mission.trace, tok)
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
     params = model.init(jax.random.PRNGKey(0), cfg)
-    tcfg = train.TrainConfig(steps=300, batch_size=1, seq_len=len(tokens), lr=1e-2, warmup=10,
+    tcfg = train.TrainConfig(steps=120, batch_size=1, seq_len=len(tokens), lr=1e-2, warmup=10,
                              weight_decay=0.0)
     params, history = train.train(params, cfg, [(tokens, authors)], tcfg, progress=False)
     assert history[-1]["loss"] < 0.01
@@ -70,7 +70,7 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
     params = model.init(jax.random.PRNGKey(1), cfg)
     ms = missions.generate(120, seed=7)
-    batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=256, temperature=1.0)
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=128, temperature=1.0)
     limits = dict(max_calls=3, max_stretch=12)
     warm = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[:20]], [Toolbox(m.seed) for m in ms[:20]], **limits)
     batch.warmup()          # compiles every (bucket, page-table width) shape the batch can use
@@ -92,7 +92,7 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
 
 def test_rote_model_writes_its_script(stok, rote):
     params, cfg = rote(stok, "<|assistant|>ok<|end|>")
-    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=256)
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=2, max_len=1024)
     (r,) = agent.run(batch, stok, FMT, ["Hi."], [Toolbox(0)])
     assert (r.status, r.answer, r.calls) == ("done", "ok", [])
     assert r.history == (Message("first", "Hi."), Message("model", "ok<|end|>"))
@@ -152,7 +152,7 @@ def test_a_refusing_view_ends_the_episode(stok, rote):
     def refuse(history, count):
         raise agent.Refused("too long")
 
-    batch = agent.new_batch(params, cfg, stok, FMT, slots=1, max_len=512)
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=2, max_len=1024)
     (r,) = agent.run(batch, stok, FMT, ["Read every part."], [Parts()], view=refuse)
     assert (r.status, r.answer, len(r.calls)) == ("refused", "too long", 1)
     assert r.history[-1] == Message("result", part(1)) and batch.pool.n_used == 0

@@ -39,7 +39,7 @@ def run(batch):
     return out
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_paused_and_resumed_equals_prompted_whole(temperature):
     prompt, appended = [3, 14, 15, 9, 2, 6], [5, 35, 8, 9, 7]
     kw = dict(slots=3, n_pages=40, page_size=4, max_len=64, temperature=temperature, keep_logits=True)
@@ -94,6 +94,7 @@ def run_ids(batch, id):
     return run(batch)[id]
 
 
+@pytest.mark.slow
 def test_sampling_does_not_depend_on_slot_or_company():
     prompt = [1, 2, 3, 4, 5]
     alone = Batch(PARAMS, CFG, slots=4, page_size=4, max_len=48, temperature=1.0, top_k=10)
@@ -104,6 +105,31 @@ def test_sampling_does_not_depend_on_slot_or_company():
     i = crowd.add(prompt, 20, seed=11)
     assert run_ids(crowd, i) == want and crowd.seqs[i].slot == 3
     assert len(set(want)) > 3
+
+
+def test_a_mask_limits_one_sequence_and_sees_its_stretch():
+    """A sequence added with a mask samples only what the mask allows; the mask is asked with the tokens
+    sampled so far in the stretch (from [] again after send); an unmasked neighbour samples as if alone."""
+    seen = []
+
+    def even(sampled):
+        seen.append(list(sampled))
+        allowed_V = np.zeros(V, bool)
+        allowed_V[::2] = True
+        return allowed_V
+
+    kw = dict(slots=2, page_size=4, max_len=40, temperature=1.0)
+    batch = Batch(PARAMS, CFG, **kw)
+    a, b = batch.add([1, 2, 3], 5, mask=even), batch.add([4, 5], 6, seed=9)
+    run(batch)
+    written = batch.seqs[a].tokens[3:]
+    assert len(written) == 5 and all(t % 2 == 0 for t in written)
+    assert seen == [written[:k] for k in range(5)]
+    batch.send(a, batch.seqs[a].tokens + [7], 2)
+    run(batch)
+    assert seen[5:] == [[], batch.seqs[a].tokens[9:10]] and all(t % 2 == 0 for t in batch.seqs[a].tokens[9:])
+    alone = Batch(PARAMS, CFG, **kw)
+    assert run_ids(alone, alone.add([4, 5], 6, seed=9)) == batch.seqs[b].tokens[2:]
 
 
 def test_cache_false_rereads_everything():
@@ -129,6 +155,7 @@ def test_cache_false_rereads_everything():
     assert sum(counts[False].values()) > 2.5 * sum(counts[True].values())
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_warmup():
     """200 sequences of prompt lengths 1..100 and varied limits: nothing compiles after warmup()."""
     rng = np.random.RandomState(0)
@@ -256,9 +283,10 @@ def play(schedule, use_cache):
                 if new and len(new) + o[4] <= MAX_LEN:
                     shared = next((j for j, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
                     cached = len(old) - len(batch.seqs[i].pending)
-                    keep = min(shared, cached, len(new) - 1) if use_cache else 0
+                    shared = min(shared, cached, len(new) - 1)
+                    keep = shared if use_cache else 0              # positions kept; the pages, either way
                     assert batch.send(i, new, o[4]) == len(new) - keep
-                    assert len(batch.seqs[i].pages) == pages_for(keep, S)
+                    assert len(batch.seqs[i].pages) == pages_for(shared, S)
                     stretch[i] = (0, o[4])
         elif o[0] == "park":
             waiting = [i for i in ids if batch.seqs[i].status in ("paused", "stopped", "length")]
@@ -273,9 +301,20 @@ def play(schedule, use_cache):
     return log, [batch.seqs[i].tokens for i in sorted(batch.seqs)]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(add_op, min_size=1, max_size=5), st.lists(op, min_size=10, max_size=40))
+SCHEDULES = (st.lists(add_op, min_size=1, max_size=5), st.lists(op, min_size=10, max_size=40))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(*SCHEDULES)
 def test_random_schedules(adds, schedule):
     """Any schedule of add, step, send (a resume, or a rewritten start), park and finish: no exception, no leaked page, limits kept,
     and the same tokens with and without cache."""
+    assert play(adds + schedule, True) == play(adds + schedule, False)
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(*SCHEDULES)
+def test_many_random_schedules(adds, schedule):
+    """The same, on more schedules."""
     assert play(adds + schedule, True) == play(adds + schedule, False)

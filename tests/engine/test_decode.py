@@ -73,7 +73,8 @@ class Rows:
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads,tie,page_size", [
-    (4, 4, True, 1), (4, 2, False, 4), (4, 1, True, 16), (2, 1, False, 4), (4, 2, True, 16)])
+    (4, 4, True, 1), (4, 2, False, 4), *[pytest.param(*p, marks=pytest.mark.slow) for p in
+                                         [(4, 1, True, 16), (2, 1, False, 4), (4, 2, True, 16)]]])
 def test_extend_equals_forward(n_heads, n_kv_heads, tie, page_size):
     params, cfg = tiny(n_heads, n_kv_heads, tie)
     rng = np.random.RandomState(page_size)
@@ -86,7 +87,7 @@ def test_extend_equals_forward(n_heads, n_kv_heads, tie, page_size):
         rows.push((rows.length_B < lengths).astype(np.int32), T=1)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_greedy_decode_after_prefill_equals_forward(page_size):
     """Prefill a prompt, decode greedily with decode_step; forward on the result agrees at every step."""
     params, cfg = tiny(seed=3)
@@ -151,7 +152,7 @@ def test_paused_slot_is_bit_identical():
     assert lengths_B[0] == 11                         # and the others did move
 
 
-@pytest.mark.parametrize("garbage", [np.nan, 1e30, -np.inf])
+@pytest.mark.parametrize("garbage", [np.nan, *[pytest.param(g, marks=pytest.mark.slow) for g in (1e30, -np.inf)]])
 def test_garbage_in_unowned_pages_changes_nothing(garbage):
     """Fill the null page, the free pages and each row's not-yet-written positions with garbage: same logits."""
     params, cfg = tiny(seed=2)

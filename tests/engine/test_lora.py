@@ -71,6 +71,7 @@ def test_new_rows_change_only_the_new_tokens(base):
     np.testing.assert_array_equal(embed[-2:], np.asarray(base["embed"])[-2:] + 1.0)
 
 
+@pytest.mark.slow
 def test_training_moves_only_the_adapters_and_lowers_the_loss(base):
     frozen_copy = jax.tree.map(np.array, base)
     start = lora.init(jax.random.PRNGKey(1), base, rank=4, new_rows=2)
@@ -95,6 +96,7 @@ def test_training_moves_only_the_adapters_and_lowers_the_loss(base):
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+@pytest.mark.slow
 def test_one_step_changes_adapters_not_base(base):
     """A single step through train.train's hook: grads reach the adapters only."""
     frozen_copy = jax.tree.map(np.array, base)

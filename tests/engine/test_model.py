@@ -101,8 +101,8 @@ def reference_forward(params, cfg, tokens_T):
     return norm(x_TxD, p["final_norm"]) @ head_DxV
 
 
-@pytest.mark.parametrize("tie", [True, False])
-@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("tie,n_kv_heads", [(True, 2), (False, 1), *[pytest.param(*p, marks=pytest.mark.slow) for p in
+                                                                    [(True, 1), (True, 4), (False, 2), (False, 4)]]])
 def test_forward_matches_numpy_reference(tie, n_kv_heads):
     cfg = dataclasses.replace(TINY, tie_embeddings=tie, n_kv_heads=n_kv_heads)
     params = random_params(cfg)
@@ -115,6 +115,7 @@ def test_forward_matches_numpy_reference(tie, n_kv_heads):
 
 # ---------------------------------------------------------------- causality
 
+@pytest.mark.slow
 def test_changing_the_future_never_changes_the_past():
     params = random_params(TINY)
     tokens_T = random_tokens(TINY, (T,))
@@ -213,6 +214,7 @@ def test_add_tokens_keeps_old_logits_and_new_logit_is_their_mean(tie):
 
 # ---------------------------------------------------------------- jit, dtype, cost
 
+@pytest.mark.slow
 def test_jit_and_no_jit_agree():
     params = random_params(TINY)
     tokens_BxT = random_tokens(TINY, (2, T))

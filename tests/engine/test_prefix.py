@@ -98,8 +98,8 @@ def test_rewrite_checks_status_and_without_cache_pushes_everything(tok, tiny):
     with pytest.raises(ValueError, match="longer than the cache"):
         plain.send(i, b, 256)               # past max_len: nothing changes
     assert plain.seqs[i].tokens[:len(a)] == a
-    assert plain.send(i, b, 4) == len(b)    # no cache, nothing kept
-    assert plain.seqs[i].pages == []
+    assert plain.send(i, b, 4) == len(b)    # no cache, nothing kept: every position pushed again,
+    assert len(plain.seqs[i].pages) == pages_for(len(render(h[:2], tok)), S)   # into the pages it holds
     while plain.running():
         plain.step()
     plain.finish(i)

@@ -5,11 +5,7 @@ and SmolLM2's tokenizer against its known ids (and against Hugging Face when ins
     python -m pytest tests/engine/test_tokenizer.py
 """
 
-import json
-import pathlib
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -254,13 +250,3 @@ def test_smollm_matches_huggingface(smollm, smollm2_gguf):
     samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20))) for _ in range(1000)]
     for s in samples:
         assert smollm.encode(s) == hf(s, add_special_tokens=False)["input_ids"], repr(s)
-
-
-# ---------------------------------------------------------------- the experiment, as a smoke test
-
-def test_experiment_01_quick(tmp_path):
-    script = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "01_tokenization.py"
-    out = tmp_path / "01.json"
-    subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], check=True, capture_output=True)
-    results = json.loads(out.read_text())
-    assert all(t["call_reuses_question_pieces"] for t in results["tokenizers"].values())

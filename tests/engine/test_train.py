@@ -156,6 +156,7 @@ def test_packed_trace_gets_the_loss_it_gets_alone(params):
 
 # ---------------------------------------------------------------- 4. it learns
 
+@pytest.mark.slow
 def test_tiny_model_overfits_one_trace(params):
     example = trace(np.random.default_rng(7), 48)
     tcfg = tr.TrainConfig(steps=150, batch_size=1, seq_len=48, lr=3e-3, warmup=10, log_every=50)

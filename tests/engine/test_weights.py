@@ -3,7 +3,7 @@
     python -m minagent.weights fetch          # once, 98 MB
     python -m pytest tests/engine/test_weights.py -q
 
-Known answers: the config the spec measured, and a greedy reply that names
+Known answers: SmolLM2-135M's published config (30 layers, d_model 576, ...), and a greedy reply that names
 Paris. A truncated copy and a missing path fail with messages that say what to do.
 """
 
@@ -51,6 +51,7 @@ def test_config_matches_the_model_card(smollm2):
     assert model.n_params(params) == 134_515_008                     # "135M"
 
 
+@pytest.mark.slow
 def test_greedy_answer_names_paris(smollm2):
     params, cfg, tok = smollm2
     prompt_ids = tok.encode(PROMPT)
@@ -59,6 +60,7 @@ def test_greedy_answer_names_paris(smollm2):
     assert "Paris" in reply, reply                                   # seen: "The capital of France is Paris."
 
 
+@pytest.mark.slow
 def test_bfloat16_load_agrees_on_the_next_token(smollm2, smollm2_gguf):
     params, cfg, tok = smollm2
     params_bf16, cfg_bf16 = weights.load_params(smollm2_gguf, dtype="bfloat16")

@@ -1,32 +1,116 @@
 """Smoke tests: each experiment script's --quick run finishes and writes well-formed numbers.
 
-    python -m pytest tests/experiments/test_quick.py
+    python -m pytest -m slow tests/experiments/test_quick.py      # the script runs: a few minutes
 
-Each test runs `python experiments/NN_name.py --quick --out <tmp>/NN.json` in a subprocess (the
-scripts are programs, not modules) and checks the JSON's keys and that its numbers are sane. They
-check that the scripts run, not the numbers the full runs report (those are in the README).
+Each slow test runs `python experiments/NN_name.py --quick --out <tmp>/NN_name.json` in a subprocess
+(the scripts are programs, not modules) and checks the JSON's keys, that its numbers are sane, and
+that the figure is drawn when matplotlib is installed. They check that the scripts run, not the
+numbers the full runs report (those are in the README). The fast tests check experiments/common.py.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import jax
+import pytest
+from conftest import FAST_COMPILE
+
+from minagent import model, train
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def run_quick(script, tmp_path):
     out = tmp_path / (pathlib.Path(script).stem + ".json")
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    # The scripts run (not only compile) models: without conftest's flag that turns XLA's optimisations off.
+    xla_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "XLA_FLAGS": xla_flags}
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
+def assert_figure(tmp_path, script):
+    """The figure beside the JSON: drawn with matplotlib, skipped (and said so) without."""
+    png = tmp_path / (pathlib.Path(script).stem + ".png")
+    if HAS_MATPLOTLIB:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists()
+
+
+# ---------------------------------------------------------------- experiments/common.py
+
+@pytest.fixture
+def common(tmp_path, monkeypatch):
+    """experiments/common.py, its results folder moved to tmp_path."""
+    spec = importlib.util.spec_from_file_location("common", ROOT / "experiments" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "RESULTS", tmp_path)
+    return module
+
+
+def test_quick_runs_leave_the_committed_results_alone(common):
+    assert common.out_path("05_cache") == common.RESULTS / "05_cache.json"
+    assert common.out_path("05_cache", "x/y.json", quick=True) == pathlib.Path("x/y.json")
+    assert common.RESULTS not in common.out_path("05_cache", quick=True).parents
+
+
+def test_write_json_merges_a_part(common, tmp_path):
+    path = tmp_path / "r.json"
+    common.write_json(path, {"a": 1, "b": {"x": 1}})
+    assert common.write_json(path, {"b": {"y": 2}}, merge=True) == {"a": 1, "b": {"y": 2}}
+    assert json.loads(path.read_text()) == {"a": 1, "b": {"y": 2}}
+    common.write_json(path, {"c": 3})
+    assert json.loads(path.read_text()) == {"c": 3}
+
+
+def test_cached_trains_once_per_recipe(common):
+    cfg = model.Config(vocab_size=8, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8)
+    trained = []
+
+    def train_fn(path):
+        params = model.init(jax.random.PRNGKey(len(trained)), cfg)
+        trained.append(path)
+        if path:
+            train.save_checkpoint(path, params, None, cfg, train.TrainConfig(), 0, extra={"n": len(trained)})
+        return dict(params=params, cfg=cfg, extra={"n": len(trained)})
+
+    first = common.cached("m", {"steps": 1}, train_fn)
+    again = common.cached("m", {"steps": 1}, train_fn)
+    other = common.cached("m", {"steps": 2}, train_fn)             # another recipe: another file
+    quick = common.cached("m", {"steps": 1}, train_fn, quick=True)  # --quick: nothing read or written
+    assert [c["cached"] for c in (first, again, other, quick)] == [False, True, False, False]
+    assert again["path"] == first["path"] != other["path"] and quick["path"] is None
+    assert first["path"].parent == common.RESULTS and first["path"].name.startswith("m-")
+    assert again["extra"] == {"n": 1} and again["cfg"] == cfg
+    assert trained == [first["path"], other["path"], None]
+    assert common.cached("m", {"steps": 1}, train_fn, retrain=True)["cached"] is False
+
+
+# ---------------------------------------------------------------- 01: how numbers split
+
+@pytest.mark.slow
+def test_01_tokenization_quick(tmp_path):
+    res = run_quick("01_tokenization.py", tmp_path)
+    assert res["quick"] is True
+    assert all(t["call_reuses_question_pieces"] for t in res["tokenizers"].values())
+    assert set(res["estimates"]) == {"english", "russian", "chinese", "japanese"}
+    for row in res["estimates"].values():
+        assert row["chars4"] <= row["document_estimate"] <= row["bytes"]     # the estimate errs high, not past bytes
+        assert set(row["exact"]) == set(res["tokenizers"])
+
+
 # ---------------------------------------------------------------- 02: SmolLM2 in the loop, before training
 
+@pytest.mark.slow
 def test_02_baseline_quick(smollm2_gguf, tmp_path):
     res = run_quick("02_baseline.py", tmp_path)
     assert res["quick"] is True
@@ -46,6 +130,7 @@ def test_02_baseline_quick(smollm2_gguf, tmp_path):
 
 # ---------------------------------------------------------------- 05: what the cache saves
 
+@pytest.mark.slow
 def test_05_cache_quick(tmp_path):
     res = run_quick("05_cache.py", tmp_path)
     assert res["quick"] is True
@@ -62,10 +147,13 @@ def test_05_cache_quick(tmp_path):
             assert r["gold_cache"] < r["gold_no_cache"]
     t = res["timings"]
     assert t and all(x["cache_s"] > 0 and x["no_cache_s"] > 0 for x in t)
+    assert res["design_4_calls"] == [57, 215]
+    assert_figure(tmp_path, "05_cache.py")
 
 
 # ---------------------------------------------------------------- 03: the calculator result
 
+@pytest.mark.slow
 def test_03_calculator_quick(tmp_path):
     """A tiny part (a) only (no SmolLM2): the small tool user and its control, trained for a few steps."""
     res = run_quick("03_calculator.py", tmp_path)
@@ -84,10 +172,12 @@ def test_03_calculator_quick(tmp_path):
         assert set(families["tool"]) == set(families["direct"]) == {
             "add", "reverse", "sort", "age", "city", "together", "later", "sort_ages", "retry", "fix", "direct"}
         assert all(0 <= s["right"] <= s["n"] for f in families.values() for s in f.values())
+    assert_figure(tmp_path, "03_calculator.py")
 
 
 # ---------------------------------------------------------------- 04: error recovery and an unseen tool
 
+@pytest.mark.slow
 def test_04_recovery_quick(tmp_path):
     """A tiny model trained in the script (no checkpoint read): every count is a well-formed {k, n, rate}."""
     res = run_quick("04_recovery.py", tmp_path)
@@ -122,10 +212,12 @@ def test_04_recovery_quick(tmp_path):
     assert sum(mul["first_tool"].values()) == n
     assert mul["without_description"]["called_mul"]["n"] == n
     assert res["episodes"] == 2 * 4 * n + 2 * n                      # 2 splits x 4 runs, then mul twice
+    assert_figure(tmp_path, "04_recovery.py")
 
 
 # ---------------------------------------------------------------- 07: choosing a tool
 
+@pytest.mark.slow
 def test_07_tool_choice_quick(tmp_path):
     """A tiny random model (BPE trained on shop text), LoRA for 3 steps: every count well formed, the gate holds."""
     res = run_quick("07_tool_choice.py", tmp_path)
@@ -153,10 +245,12 @@ def test_07_tool_choice_quick(tmp_path):
     for name in ("before", "lora10", "lora20"):                     # constrained: every answer valid
         r = res["constrained"][name]["test"]
         assert r["valid"] == 1.0 and r["reasons"] == {} and r["gate"]["refunds_executed"] == 0
+    assert_figure(tmp_path, "07_tool_choice.py")
 
 
 # ---------------------------------------------------------------- 06: keeping long turns inside the context window
 
+@pytest.mark.slow
 def test_06_context_quick(tmp_path):
     """(a) and (b) are scripted, so their outcome is exact even in --quick; (c) only has to be well formed."""
     res = run_quick("06_context.py", tmp_path)
@@ -176,3 +270,9 @@ def test_06_context_quick(tmp_path):
     for r in c["rows"]:
         assert sum(r["statuses"].values()) == r["n"] and 0 <= r["right"] <= r["n"]
         assert 0 <= r["notes_right"] <= r["notes"] and r["positions"] > 0
+        steps = {int(k): v for k, v in r["steps"].items()}               # each fit's step, over the episodes
+        if r["budget"] is None:
+            assert steps == {}                                           # no fitting, no steps
+        else:
+            assert set(steps) <= {-1, 0, 1, 2, 3} and steps.get(-1, 0) == r["statuses"].get("refused", 0)
+    assert_figure(tmp_path, "06_context.py")

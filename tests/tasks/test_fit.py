@@ -24,7 +24,7 @@ from minagent.tasks.context import counting
 from minagent.tasks.context import fit as cx
 from minagent.tasks.context.fit import CLEARED, NOTE, REFUSED
 
-SETTINGS = settings(deadline=None, max_examples=200)
+SETTINGS = settings(deadline=None, max_examples=100)
 
 
 def count(m):
@@ -363,7 +363,7 @@ def test_fitting_clears_old_results_reuses_the_prefix_and_keeps_the_history(stok
 def test_refusal_is_final(stok, rote, fitting):
     """A budget no view fits: the first result ends the episode with the refusal message."""
     params, cfg = rote(stok, READER)
-    r = run_reader(params, cfg, stok, slots=1, max_len=512, budget=20, fitting=fitting)
+    r = run_reader(params, cfg, stok, budget=20, fitting=fitting)
     assert (r.status, r.answer, len(r.calls)) == ("refused", cx.REFUSAL_MESSAGE, 1)
     assert r.history[-1] == Message("result", part(1))
 

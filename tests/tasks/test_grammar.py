@@ -167,7 +167,7 @@ def tiny_model(vocab):
 PARAMS, CFG = tiny_model(TOK.n_vocab)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_decode_step_with_everything_allowed_equals_unmasked(temperature):
     """allowed_BxV all True changes nothing: the same tokens and logits as allowed_BxV=None."""
     B, W, Z = 2, 2, 8
@@ -191,7 +191,7 @@ def run(batch):
         batch.step()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), pytest.param(1.0, marks=pytest.mark.slow)])
 def test_batch_constrained_rows_validate_and_free_rows_unchanged(temperature):
     """Three constrained sequences and one free one decode together. The constrained answers all
     validate; the free one writes exactly what it writes in a batch without any constraint."""
@@ -212,6 +212,7 @@ def test_batch_constrained_rows_validate_and_free_rows_unchanged(temperature):
     assert not shop.validate(TOK.decode(free.seqs[j].tokens[len(prompts[3]):])).ok      # free decoding is junk
 
 
+@pytest.mark.slow
 def test_answers_helper():
     reqs = shop_data.test_set(0)[:3]
     texts, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END, C, temperature=1.0)
@@ -230,6 +231,7 @@ def test_answers_refuses_a_mask_of_the_wrong_size():
         constrain.answers(PARAMS, CFG, TOK, ["hi"], END, constrain.Constraint(TOK, END, n_vocab=TOK.n_vocab + 8))
 
 
+@pytest.mark.slow
 def test_resumed_constrained_sequence_writes_a_second_valid_answer():
     """Each stretch is a new answer: after send() the mask sees only the tokens sampled since, so the
     second stretch is a whole new valid call, not only the end token a finished answer allows."""
@@ -248,6 +250,7 @@ def test_resumed_constrained_sequence_writes_a_second_valid_answer():
         assert shop.validate(TOK.decode(answer[:-1])).ok, TOK.decode(answer)
 
 
+@pytest.mark.slow
 def test_constrained_warmup_leaves_nothing_to_compile():
     """warmup(masked=True) compiles the masked decode step too: a mix of constrained and free
     sequences then compiles nothing."""

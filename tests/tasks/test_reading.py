@@ -75,7 +75,7 @@ def test_the_reader_needs_only_the_view(budget):
 
 
 def test_old_trimming_refuses_a_long_single_turn():
-    """SPEC part 2: one user message, nowhere to cut: old trimming refuses once over budget."""
+    """The second design document's case: one user message, nowhere to cut: old trimming refuses once over budget."""
     r = reading.mission(seed=0, first=1, last=20)
     old = reading.scripted(r, 700, count, fitting=context.old_trim)
     new = reading.scripted(r, 700, count, fitting=context.fit)

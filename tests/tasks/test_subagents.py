@@ -46,6 +46,7 @@ def test_delegate_answer_becomes_the_result(stok, rote):
     assert batch.pool.n_free == batch.pool.n_pages - 1
 
 
+@pytest.mark.slow
 def test_delegation_limits(stok, rote):
     """An agent that always delegates: sub-agents cannot delegate (depth 1), and a root starts at most two."""
     params, cfg = rote(stok, "<|assistant|><|call|>delegate sum<|result|>")
@@ -114,8 +115,8 @@ def test_delegation_rule():
     assert sub.subagent_result(dataclasses.replace(done, status="stretch")).startswith("error: ")
 
 
-@pytest.mark.parametrize("depth", [0, 1])
-def test_sub_agents_of_sub_agents_with_a_deeper_limit(stok, rote, depth):
+@pytest.mark.slow
+def test_sub_agents_of_sub_agents_with_a_deeper_limit(stok, rote):
     """max_depth=2: a sub-agent may delegate once more; the chain of parked callers all come back."""
     params, cfg = rote(stok, "<|assistant|><|call|>delegate sum<|result|>")
     (r,), batch = run(params, cfg, stok, ["Add up."], slots=1, max_len=256, max_calls=1, max_depth=2,

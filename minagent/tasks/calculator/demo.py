@@ -6,7 +6,8 @@
 1. Generate training missions and train a BPE on their text.
 2. Train two small models from scratch (3 layers, d_model 128): the tool user on
    the tool-using traces (the loss covers only what the model writes: its calls
-   and its answers), the control on the same questions answered directly.
+   and its answers), the control on the same questions answered directly, for
+   as many passes over them (its traces are shorter: fewer steps).
 3. Run 200 additions of two 4-digit numbers through the agent loop: the tool
    user with the calculator, the control without.
 4. Print both accuracies, one transcript with the program's tokens told apart
@@ -61,6 +62,13 @@ def train_small(exs, tok, steps=500, seed=0, progress=True, **arch):
     return params, cfg, history
 
 
+def control_steps(steps, tool_exs, direct_exs):
+    """The control's steps for as many passes over the questions as the tool user's `steps`: its traces
+    answer at once, so they hold fewer tokens (about half) and fill fewer rows of a batch."""
+    n_tokens = lambda exs: sum(len(tokens) for tokens, _ in exs)   # noqa: E731
+    return max(1, round(steps * n_tokens(direct_exs) / n_tokens(tool_exs)))
+
+
 def run_missions(params, cfg, tok, ms, direct=False, fmt=FMT, *, slots=64, max_len=256, cache=True, **loop_kw):
     """Each mission's prompt through the agent loop -> records.
 
@@ -94,10 +102,12 @@ def main(argv=None):
     test_ms = missions.additions(args.additions, seed=args.seed + 2, split="train")
     print(f"{len(train_ms)} training missions, BPE of {tok.n_vocab} ids, {len(test_ms)} additions to test")
 
+    tool_exs, direct_exs = examples(train_ms, tok), examples(train_ms, tok, direct=True)
+    direct_steps = control_steps(args.steps, tool_exs, direct_exs)
     print(f"\ntraining the tool user ({args.steps} steps)")
-    tool_params, cfg, _ = train_small(examples(train_ms, tok), tok, args.steps, args.seed)
-    print(f"training the control, which answers directly ({args.steps} steps)")
-    direct_params, _, _ = train_small(examples(train_ms, tok, direct=True), tok, args.steps, args.seed)
+    tool_params, cfg, _ = train_small(tool_exs, tok, args.steps, args.seed)
+    print(f"training the control, which answers directly ({direct_steps} steps: as many passes over the data)")
+    direct_params, _, _ = train_small(direct_exs, tok, direct_steps, args.seed)
 
     with_tool = run_missions(tool_params, cfg, tok, test_ms)
     control = run_missions(direct_params, cfg, tok, test_ms, direct=True)
@@ -125,6 +135,6 @@ def main(argv=None):
     print(f"\n{elapsed / 60:.1f} minutes")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(dict(
-            steps=args.steps, missions=args.missions, additions=n, accuracy_tool=acc_tool,
+            steps=args.steps, control_steps=direct_steps, missions=args.missions, additions=n, accuracy_tool=acc_tool,
             accuracy_direct=acc_direct, positions_cache=pos_c, positions_no_cache=pos_u,
             calls_per_episode=calls, minutes=elapsed / 60), indent=2))

@@ -1,0 +1,49 @@
+"""The repository's shape: the engine imports no application, and nothing points outside the repository.
+
+    python -m pytest tests/engine/test_layout.py -q
+"""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ENGINE = sorted(p for p in (ROOT / "minagent").glob("*.py") if p.name != "__main__.py")   # the front door may
+
+
+def imported_modules(path):
+    """Every module a file imports, absolute: "from minagent.tasks import shop" -> minagent.tasks.shop."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_no_engine_module_imports_an_application():
+    assert len(ENGINE) >= 12
+    for path in ENGINE:
+        tasks = [m for m in imported_modules(path) if m.startswith("minagent.tasks")]
+        assert not tasks, f"{path.name} imports {tasks}: the engine must not know its applications"
+
+
+def test_imported_modules_reads_every_form():
+    here = imported_modules(ROOT / "minagent" / "tasks" / "context" / "fit.py")
+    assert "minagent.agent" in here and "minagent.chat.Message" in here
+
+
+# Text that points outside the repository: the developers' own notes, issue trackers, a machine's paths.
+OUTSIDE = re.compile(r"\.\./shared|\bSPEC\b|(?i:\bthe spec\b|\bspec's\b)|/work/|/home/\w+/|(?i:\bissue #?\d)")
+
+
+def test_nothing_points_outside_the_repository():
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".md", ".toml", ".sh", ".txt")
+             and not any(part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)
+             and "results" not in p.parts]
+    assert len(files) > 40
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}" for p in files
+             for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if OUTSIDE.search(line) and p != pathlib.Path(__file__)]
+    assert not found, "\n".join(found[:20])
