@@ -174,7 +174,7 @@ def overhead_line(overhead):
 def minagent_only(args, params, cfg, path):
     """--no-ref: minagent's side of each row and the host overhead, printed; nothing to compare with."""
     tok = tokenizer.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
-    prompt = tok.encode(chat.prompt(chat.CHATML, QUESTION, system=SMOLLM_SYSTEM).text)
+    prompt = chat.encode(tok, chat.prompt(chat.CHATML, QUESTION, system=SMOLLM_SYSTEM))
     for B in args.batches:
         compiles = minagent_run(params, cfg, prompt, B, args.new)[-1]      # warm-up: compiles
         runs = [minagent_run(params, cfg, prompt, B, args.new) for _ in range(args.repeats)]

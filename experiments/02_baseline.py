@@ -54,7 +54,7 @@ def run_loop(params, cfg, tok, questions, boxes, args):
 
 def nats_per_byte(params, cfg, tok, glosses, args):
     """Loss on each gloss as a plain-text document: <|endoftext|> then the gloss, every gloss token supervised."""
-    docs = [[0] + tok.encode(g) for g in glosses]
+    docs = [[0] + tok.encode_ordinary(g) for g in glosses]
     exs = [(np.array(d, np.int32), np.array([chat.PROGRAM] + [chat.MODEL] * (len(d) - 1), np.uint8)) for d in docs]
     specials = set(tok.specials.values())
     bytes_V = [0 if i in specials else len(tok.piece(i)) for i in range(tok.n_vocab)]
@@ -67,7 +67,7 @@ def softmax_shift(params, cfg, tok, glosses, n_new=2, width=64):
     With tied embeddings a mean row's logit is the mean of the old logits, so the old log-softmax
     loses exactly that at every position. Measured on the old model's logits of a few glosses.
     """
-    docs = [[0] + tok.encode(g)[:width - 1] for g in glosses]
+    docs = [[0] + tok.encode_ordinary(g)[:width - 1] for g in glosses]
     tokens_BxT = np.zeros((len(docs), width), np.int32)
     mask_BxT = np.zeros((len(docs), width), bool)
     for b, d in enumerate(docs):

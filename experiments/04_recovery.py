@@ -164,7 +164,7 @@ def malformed(run, tok, args, split):
     then the model writes. The gold continuation is m.calls[1] ("add 17 250") and the answer.
     """
     ms = missions.generate(args.n, seed=args.seed + 6, split=split, families=("fix",))
-    prompts = [chat.Segment(chat.PROGRAM, chat.text(m.trace[:3])) for m in ms]
+    prompts = [chat.Segment(chat.PROGRAM, sum((s.parts for s in m.trace[:3]), ())) for m in ms]
     fixed = run(prompts, [Toolbox(m.seed) for m in ms])
     clean = run([m.trace[0] for m in ms], [Toolbox(m.seed) for m in ms])    # the same questions, no mistake
     called = [(r, m) for r, m in zip(fixed, ms) if r.calls]

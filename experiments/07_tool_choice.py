@@ -74,13 +74,9 @@ def load(args):
     return model.init(jax.random.PRNGKey(args.seed), cfg), cfg, tok
 
 
-def prompt(req):
-    return chat.prompt(FMT, data.prompt_text(req), system=gate.SYSTEM_PROMPT)
-
-
 def example(req, tok):
     """A training example: (tokens, authors), the gold JSON the only part the model wrote."""
-    return chat.render([prompt(req), chat.answer(FMT, data.gold_json(req))], tok)
+    return chat.render([data.prompt(req, FMT), chat.answer(FMT, data.gold_json(req))], tok)
 
 
 # ---------------------------------------------------------------- scoring
@@ -188,7 +184,7 @@ def a_few(errors, n):
 def evaluate(params, cfg, tok, requests, args, constraint=None):
     t0 = time.perf_counter()
     limit = args.limit if constraint is None else grammar.max_chars() + 1
-    texts, stopped = grammar.answers(params, cfg, tok, [prompt(r).text for r in requests], tok.special(FMT.end),
+    texts, stopped = grammar.answers(params, cfg, tok, [data.prompt(r, FMT) for r in requests], tok.special(FMT.end),
                                        constraint, slots=args.slots, limit=limit, prefill_rows=8,
                                        buckets=(16, 64, 192, 256))
     return dict(score(requests, texts, stopped, args.n_errors), seconds=time.perf_counter() - t0)
@@ -252,7 +248,7 @@ def part_free(params, cfg, tok, args, sets):
                   f"tool+args {out[name][split]['tool_args']:6.1%}  {out[name][split]['seconds']:.0f} s")
     for n in args.sizes:
         train_reqs = data.train_set(n, seed=args.seed)
-        clf = classifier.fit([data.prompt_text(r) for r in train_reqs], [r.tool for r in train_reqs])
+        clf = classifier.fit([r.text for r in train_reqs], [r.tool for r in train_reqs])
         out[f"classifier{n}"] = {split: score_tools(reqs, classifier.predict(clf, [r.text for r in reqs]))
                                  for split, reqs in sets.items()}
     out["random"] = {split: score_tools(reqs, classifier.random_baseline(reqs, seed=args.seed))

@@ -13,33 +13,39 @@ model: everything before is in the paged cache.
 Each turn the loop looks once at every live episode, a small state machine:
 
     finished   the model wrote <|end|>, or ran past a budget  -> end(): record it
-    waiting    the model wrote <|result|>                     -> serve() the call; deliver() its result
+    waiting    the model wrote <|result|>                     -> serve() starts the call in a worker;
+               once it answers (or times out)                 -> deliver() its result, resume
     running    nothing to do: the batch step below advances it
 
 then advances every running episode by one token with a single batch.step().
+A call runs beside the batch: while one episode waits for its tool, the others
+go on. A tool that raises, hangs or answers something else than text gives its
+episode an `error: ...` result, and no other episode notices.
 Budgets per episode: at most 8 calls, at most 40 tokens written in one stretch.
 
 An episode keeps its history (chat.Messages): the question, what the model
-wrote (raw, markers included) and each result. After a result the loop sends
-view(history, count): the whole history by default, or whatever an application
-makes of it within a budget (tasks/context fits long episodes; count(message)
-is the number of tokens the message is sent as). Batch.send keeps the cache of
-the part the new view shares with the old one. A layer on top of the loop
-overrides serve() and end() (tasks/context/subagents.py: `delegate`).
-See docs/DESIGN.md, "The agent loop".
+wrote and each result. After a result the loop sends view(history, count): the
+whole history, or what an application makes of it within a budget (count(m):
+the tokens message m is sent as). Batch.send keeps the cache of the part the
+new view shares with the old. A layer overrides serve() and end()
+(tasks/context/subagents.py). See docs/DESIGN.md, "The agent loop".
 """
 
+import concurrent.futures
 import dataclasses
+import time
 
 import numpy as np
 
 from minagent import chat
-from minagent.batch import ADVANCING, Batch
+from minagent.batch import ADVANCING, Batch, Stuck
 from minagent.cache import pages_for
 from minagent.chat import MODEL, PROGRAM, Message
 
 MAX_CALLS = 8
 MAX_STRETCH = 40
+WORKERS = 16       # threads that run tool calls beside the batch
+TIMEOUT = 60.0     # seconds a call may take before the episode reads "error: ... timed out"
 
 
 @dataclasses.dataclass
@@ -57,6 +63,20 @@ class Record:
     subagents: list = dataclasses.field(default_factory=list)   # Records of episodes it started (a layer's)
 
 
+def tool_result(future, call, timeout):
+    """What the model reads for a call that ran beside the batch: the tool's text, or an error it can
+    read if the tool raised, answered something else than text, or is still running past its timeout."""
+    name = (call.split() or ["tool"])[0][:16]
+    if not future.done():
+        return f"error: {name} timed out after {timeout:g} s"
+    if future.exception() is not None:
+        return f"error: {name} failed ({type(future.exception()).__name__})"
+    result = future.result()
+    if not isinstance(result, str):
+        return f"error: {name} returned {type(result).__name__}, not text"
+    return result
+
+
 @dataclasses.dataclass(eq=False)
 class Episode:
     seq: int               # its sequence in the batch
@@ -66,6 +86,8 @@ class Episode:
     encoded: dict          # Message -> (token ids, author): how each message is sent
     calls: list = dataclasses.field(default_factory=list)
     call: str | None = None          # the call being served: the episode waits for its result
+    future: object = None            # the call's concurrent.futures.Future, while in a worker
+    deadline: float = 0.0            # time.monotonic() past which the call has timed out
     record: Record | None = None     # once it has ended
 
 
@@ -79,47 +101,36 @@ def whole(history, count):
 
 
 def new_batch(params, cfg, tok, fmt, *, slots=32, max_len=512, page_size=16, holders=None, **batch_kw):
-    """A Batch for the loop: it pauses on fmt.result and stops on fmt.end.
-
-    Its pool has room for `holders` sequences of max_len at once (default: one per slot), so none
-    waits for pages while nothing runs to free them. batch_kw go to Batch (cache, temperature, ...).
-    """
+    """A Batch for the loop: it pauses on fmt.result and stops on fmt.end. Its pool has room for `holders`
+    sequences of max_len at once (default: one per slot). batch_kw go to Batch (cache, temperature, ...)."""
     n_pages = (holders or slots) * pages_for(max_len, page_size) + 1             # + the null page
     return Batch(params, cfg, slots=slots, n_pages=n_pages, page_size=page_size, max_len=max_len,
                  pause_tokens=[tok.special(fmt.result)], stop_tokens=[tok.special(fmt.end)], **batch_kw)
 
 
-def opening(fmt, prompt, system=None):
-    """A prompt -> (the history's first message, the Segment the episode opens with).
-
-    A question (str) opens with chat.prompt(fmt, question, system). A Segment (written by the
-    program, system text included) is sent as it is; its first message is its text without the
-    format's markers.
-    """
-    if isinstance(prompt, str):
-        return Message("first", prompt), chat.prompt(fmt, prompt, system=system)
-    if system is not None:
-        raise ValueError("a Segment prompt is sent as it is: write the system text into it")
-    return Message("first", prompt.text.removeprefix(fmt.user).removesuffix(fmt.assistant)), prompt
-
-
 class Loop:
-    """Episodes in one batch. start() each, then run() until all have ended; each ends with a Record."""
+    """Episodes in one batch. start() each, then run() until all have ended; each ends with a Record.
+    Each call runs in one of `workers` threads, `timeout` seconds at most, while the batch steps the
+    other episodes. With workers=0 the batch waits for each call, as if the loop ran it (to compare)."""
 
-    def __init__(self, batch, tok, fmt, *, view=whole, max_calls=MAX_CALLS, max_stretch=MAX_STRETCH):
+    def __init__(self, batch, tok, fmt, *, view=whole, max_calls=MAX_CALLS, max_stretch=MAX_STRETCH,
+                 workers=WORKERS, timeout=TIMEOUT):
         self.call_id, self.result_id, self.end_id = (tok.special(s) for s in (fmt.call, fmt.result, fmt.end))
         if batch.pause_tokens != {self.result_id} or self.end_id not in batch.stop_tokens:
             raise ValueError(f"the batch must pause on {fmt.result} and stop on {fmt.end}: build it with new_batch")
-        if max_calls < 0 or max_stretch < 1:
-            raise ValueError(f"max_calls={max_calls}, max_stretch={max_stretch}: need >= 0 and >= 1")
+        for name, value, least in (("max_calls", max_calls, 0), ("max_stretch", max_stretch, 1), ("workers", workers, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name}={value!r}: an integer >= {least}")
+        if not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: seconds, > 0")
         self.batch, self.tok, self.fmt, self.view = batch, tok, fmt, view
-        self.max_calls, self.max_stretch = max_calls, max_stretch
-        self.live = []
+        self.max_calls, self.max_stretch, self.workers, self.timeout = max_calls, max_stretch, workers, timeout
+        self.live, self.pool = [], None        # the pool of workers, while run() runs
 
     def start(self, prompt, toolbox, system=None):
         """A new episode, queued in the batch -> its Episode."""
-        first, segment = opening(self.fmt, prompt, system)
-        ids = self.tok.encode(segment.text)
+        first, segment = chat.opening(self.fmt, prompt, system)
+        ids = chat.encode(self.tok, segment)
         ep = Episode(self.batch.add(ids, self.max_stretch), toolbox, (first,), [PROGRAM] * len(ids),
                      {first: (ids, PROGRAM)})
         self.live.append(ep)
@@ -127,31 +138,60 @@ class Loop:
 
     def run(self):
         """Advance every live episode until all have ended: the loop's state machine."""
-        while self.live:
-            for ep in list(self.live):
-                status = self.batch.seqs[ep.seq].status
-                if ep.call is not None or status in ADVANCING:     # waiting for a tool, or running
-                    continue
-                if status == "stopped":                            # finished: it wrote <|end|>
-                    self.end(ep, "done", self.written(ep))
-                elif status == "length":                           # finished: its stretch ran out
-                    self.end(ep, "stretch")
-                elif len(ep.calls) == self.max_calls:              # paused on a call over the budget
-                    self.end(ep, "calls")
-                else:                                              # paused on a call: serve it
-                    ep.call = self.written(ep, after=self.call_id)
-                    self.serve(ep, ep.call)
-            if self.batch.running():
-                self.batch.step()                                  # running: one token each
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(self.workers, 1))
+        try:
+            while self.live:
+                for ep in list(self.live):
+                    status = self.batch.seqs[ep.seq].status
+                    if ep.call is not None:                        # waiting for a tool: has it answered?
+                        if ep.future is not None and (ep.future.done() or time.monotonic() > ep.deadline):
+                            self.deliver(ep, tool_result(ep.future, ep.call, self.timeout))
+                    elif status in ADVANCING:                      # running
+                        continue
+                    elif status == "stopped":                      # finished: it wrote <|end|>
+                        self.end(ep, "done", self.written(ep))
+                    elif status == "length":                       # finished: its stretch ran out
+                        self.end(ep, "stretch")
+                    elif len(ep.calls) == self.max_calls:          # paused on a call over the budget
+                        self.end(ep, "calls")
+                    else:                                          # paused on a call: serve it
+                        ep.call = self.written(ep, after=self.call_id)
+                        self.serve(ep, ep.call)
+                if not self.step():                                # running: one token each
+                    self.wait()                                    # or nothing can run until a tool answers
+        finally:                                                   # a tool still running keeps its thread
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def serve(self, ep, call):
-        """Run the call with the episode's toolbox and deliver the result (a layer may do otherwise)."""
-        self.deliver(ep, ep.toolbox(call))
+        """Start the call in a worker; run() delivers its result. (A layer may serve a call otherwise,
+        and deliver() its result itself.) With workers=0 the loop waits for it, as if run inline."""
+        ep.future = self.pool.submit(ep.toolbox, call)
+        ep.deadline = time.monotonic() + self.timeout
+        if not self.workers:
+            concurrent.futures.wait([ep.future], timeout=self.timeout)
+
+    def step(self):
+        """One batch step -> False if no sequence took one: none runs, or each slot holds an episode
+        waiting for its tool while the queued ones wait for a slot."""
+        try:
+            return bool(self.batch.step())
+        except Stuck:
+            if not any(ep.future is not None for ep in self.live):     # no tool will ever free a slot
+                raise
+            return False
+
+    def wait(self):
+        """Sleep until the first tool in flight answers, or its deadline passes."""
+        flying = [ep for ep in self.live if ep.future is not None and not ep.future.done()]
+        if flying:
+            until = min(ep.deadline for ep in flying) - time.monotonic()
+            concurrent.futures.wait([ep.future for ep in flying], timeout=max(until, 0),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def deliver(self, ep, result):
         """The result of the episode's call: add it to the history, send the next view, resume."""
         ep.calls.append((ep.call, result))
-        ep.call = None
+        ep.call = ep.future = None
         self.note_written(ep)
         ep.history += (Message("result", result),)
         try:
@@ -181,7 +221,7 @@ class Loop:
         were, so a new view starts with exactly the tokens of the old one up to its first change."""
         if m not in ep.encoded:
             segment = chat.render_message(m, self.fmt)
-            ep.encoded[m] = (self.tok.encode(segment.text), segment.author)
+            ep.encoded[m] = (chat.encode(self.tok, segment), segment.author)
         return ep.encoded[m]
 
     def written(self, ep, after=None):
@@ -203,15 +243,20 @@ class Loop:
 
 
 def run(batch, tok, fmt, prompts, toolboxes, *, system=None, view=whole, max_calls=MAX_CALLS,
-        max_stretch=MAX_STRETCH):
+        max_stretch=MAX_STRETCH, workers=WORKERS, timeout=TIMEOUT):
     """One episode per prompt, toolboxes[i] serving prompt i's calls -> [Record], in the prompts' order.
 
     A prompt is a question (str; it opens with `system` if given) or a chat.Segment the program
-    writes. view(history, count) -> the messages to send after each result (see the module doc).
+    writes. A toolbox is any callable, call text -> result text; it runs in one of `workers`
+    threads, `timeout` seconds at most. view(history, count) -> the messages to send after each
+    result (see the module doc).
     """
     if len(prompts) != len(toolboxes):
         raise ValueError(f"{len(prompts)} prompts but {len(toolboxes)} toolboxes: one toolbox per episode")
-    loop = Loop(batch, tok, fmt, view=view, max_calls=max_calls, max_stretch=max_stretch)
+    if not all(callable(box) for box in toolboxes):
+        raise ValueError("every toolbox must be callable: call text -> result text")
+    loop = Loop(batch, tok, fmt, view=view, max_calls=max_calls, max_stretch=max_stretch, workers=workers,
+                timeout=timeout)
     episodes = [loop.start(prompt, box, system) for prompt, box in zip(prompts, toolboxes)]
     loop.run()
     return [ep.record for ep in episodes]

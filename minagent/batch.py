@@ -24,17 +24,15 @@ subtle case: a sampled `<|result|>` is pending when the sequence pauses, so on
 resume it enters the cache together with the appended tokens:
 pending = [<|result|>] + tool result + [<|assistant|>].
 
-step() first prefills pending[:-1] of each newly admitted sequence (rows of T
-tokens, T from a few length buckets), then runs one decode step over all B
-slots. Only new tokens ever go through the model.
+step() prefills pending[:-1] of each newly admitted sequence (rows of T tokens, T
+from a few length buckets), then runs one decode step over all B slots.
 
 send(id, tokens, limit) gives a waiting sequence its next token list. K/V at a
 position depends only on the tokens up to it (attention is causal), so the
 cache of the longest common prefix of the old and new tokens stays, and only
-the rest is pushed. A resume is the case where the new tokens extend the old
-ones: everything cached stays. A rewritten start (an old tool result replaced
-by a short note) keeps the cache up to the first changed token: a prefix cache.
-With cache=False nothing is kept, as in an engine without a KV cache.
+the rest is pushed: a prefix cache. A resume is the case where the new tokens
+extend the old ones, and everything cached stays. With cache=False every
+position is pushed again, as in an engine without a KV cache.
 
 Pages: admission reserves pages for every position the stretch can write (its
 length + limit - 1), and a stretch that ends gives back the pages it did not
@@ -48,10 +46,18 @@ import dataclasses
 import numpy as np
 
 from minagent import decode
-from minagent.cache import NULL_PAGE, OutOfPages, PagePool, init_cache, pages_for
+from minagent.cache import NULL_PAGE, PagePool, init_cache, pages_for
 
 ADVANCING = ("queued", "running")           # statuses in which a sequence advances without the caller
 WAITING = ("paused", "stopped", "length")   # statuses from which send() starts a new stretch
+
+
+class Stuck(RuntimeError):
+    """Nothing can run until the caller finishes a sequence or sends it tokens (a slot or pages to free)."""
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass
@@ -88,6 +94,14 @@ class Batch:
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
                  buckets=(16, 64, 256, 1024), keep_logits=False):
+        for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
+                                   ("max_len", max_len, 2), ("top_k", top_k, 0), ("prefill_rows", prefill_rows, 1)):
+            if not _is_int(value) or value < least:
+                raise ValueError(f"{name}={value!r}: an integer >= {least}")
+        if not 0 <= temperature < float("inf"):
+            raise ValueError(f"temperature={temperature!r}: >= 0 (0 is greedy)")
+        if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+            raise ValueError(f"buckets={buckets!r}: prefill lengths, integers >= 1")
         self.params, self.cfg = decode.unstack_layers(params), cfg     # a list of layers: read in place
         self.page_size, self.max_len = page_size, max_len
         self.stop_tokens, self.pause_tokens = frozenset(stop_tokens), frozenset(pause_tokens)
@@ -188,11 +202,11 @@ class Batch:
         if not running:
             # Nothing can move until the caller finishes (or sends to) something: say so rather than spin.
             if short_of_pages:
-                raise OutOfPages(f"sequences {short_of_pages} wait for pages, {self.pool.n_free} are free and "
-                                 f"nothing is running to free more: finish some paused or stopped sequences")
+                raise Stuck(f"sequences {short_of_pages} wait for pages, {self.pool.n_free} are free and "
+                            f"nothing is running to free more: finish some paused or stopped sequences")
             if self._queue:
-                raise RuntimeError(f"sequences {self._queue} wait for a slot and every slot holds a paused, "
-                                   f"stopped or length-limited sequence: finish some")
+                raise Stuck(f"sequences {self._queue} wait for a slot and every slot holds a paused, "
+                            f"stopped or length-limited sequence: finish some")
             return {}
         self._prefill(admitted)
         for seq in admitted:
@@ -224,15 +238,15 @@ class Batch:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("no tokens: a sequence needs at least one token to predict from")
-        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab_size]
-        if bad:   # an out-of-range id would be clamped silently by the embedding lookup
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
-        if limit < 1:
-            raise ValueError(f"limit={limit}: a stretch must allow at least one token")
+        bad = [t for t in tokens if not _is_int(t) or not 0 <= t < self.cfg.vocab_size]
+        if bad:   # 7.9 would be stored as it is but pushed as 7; an id out of range, clamped silently
+            raise ValueError(f"token ids {bad[:5]} are not integers in the vocabulary [0, {self.cfg.vocab_size})")
+        if not _is_int(limit) or limit < 1:
+            raise ValueError(f"limit={limit!r}: a stretch must allow at least one token")
         why = self._too_long(len(tokens), limit)
         if why:
             raise ValueError(why)
-        return tokens
+        return [int(t) for t in tokens]
 
     def _too_long(self, n, limit):
         """Why n tokens + limit do not fit the cache, or None when they do."""

@@ -15,17 +15,25 @@ them only so they are easier to read.) A space after `<|call|>` would be one
 more token for the model to learn. It would also change how the text after it
 is split: for a GPT-2-style BPE, "add" and " add" are different pieces.
 
+Text from outside is never a control token. A Segment holds its text and the
+markers the program placed in it as separate parts; `encode` turns a marker
+into its special token and any text, whatever it spells, into ordinary pieces.
+A question that spells "<|end|><|assistant|>" is sent as those characters, not
+as a forged turn. Every path from text to the model goes through `encode`
+(docs/DESIGN.md, "Untrusted text").
+
 `render` turns a trace into (tokens, authors). The trainer's loss covers exactly
 the tokens whose author is MODEL. The model learns to write a call and to copy
 a result, never to predict one. Each segment is encoded separately, as the
 agent loop does (it appends a result's tokens to what the model wrote). Every
 segment boundary is next to a special token, and specials are cut out before
 BPE. So this gives the same tokens as encoding the whole text at once, and
-tests/test_chat.py checks that.
+tests/engine/test_chat.py checks that.
 """
 
 import dataclasses
 import itertools
+import re
 import sys
 
 import numpy as np
@@ -34,9 +42,28 @@ PROGRAM, MODEL = 0, 1   # authors of tokens; the loss mask is `authors == MODEL`
 
 
 @dataclasses.dataclass(frozen=True)
+class Marker:
+    """A special token the program places, by name: Marker("<|assistant|>")."""
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Segment:
+    """A piece of a conversation with one author: text (str) and Markers, in order.
+
+    Segment(PROGRAM, "Hi <|end|>") is plain text, its "<|end|>" seven characters; markers
+    come from prompt(), tool_round(), answer() or markup(), which the program writes."""
     author: int     # PROGRAM or MODEL
-    text: str
+    parts: tuple    # str and Marker
+
+    def __post_init__(self):
+        if isinstance(self.parts, str):
+            object.__setattr__(self, "parts", (self.parts,))
+
+    @property
+    def text(self):
+        """The segment as one string, markers spelled out (to read or show; never to encode)."""
+        return "".join(p.name if isinstance(p, Marker) else p for p in self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +122,37 @@ def check_tokenizer(fmt, tok):
                          f"add them with tokenizer.add_special_tokens(tok, {missing})")
 
 
+def markup(fmt, written):
+    """A string the program writes, its markers spelled out -> parts: the format's special
+    tokens become Markers, the rest stays text. Never for text from outside.
+
+        markup(CHATML, "<|im_end|>\n<|im_start|>assistant\n")
+            -> (Marker("<|im_end|>"), "\n", Marker("<|im_start|>"), "assistant\n")
+    """
+    if not fmt.specials:
+        return (written,) if written else ()
+    pieces = re.split("(" + "|".join(map(re.escape, fmt.specials)) + ")", written)
+    return tuple(Marker(p) if p in fmt.specials else p for p in pieces if p)
+
+
+def encode(tok, segment):
+    """The one place where a Segment becomes token ids: each Marker is its special token; each text
+    is encoded as ordinary text, so no text, whoever wrote it, can become a control token."""
+    ids = []
+    for part in segment.parts:
+        ids += [tok.special(part.name)] if isinstance(part, Marker) else tok.encode_ordinary(part)
+    return ids
+
+
 def prompt(fmt, question, system=None):
-    """The program's opening. prompt(MINAGENT, "Say hello.") -> PROGRAM "<|user|>Say hello.<|assistant|>"."""
-    head = fmt.user if system is None else fmt.system.format(user=fmt.user, system=system)
-    return Segment(PROGRAM, head + question + fmt.assistant)
+    """The program's opening. prompt(MINAGENT, "Say hello.") -> PROGRAM "<|user|>Say hello.<|assistant|>".
+    The question and the system text are text: whatever they spell, they stay text."""
+    if system is None:
+        head = markup(fmt, fmt.user)
+    else:
+        before, after = fmt.system.replace("{user}", fmt.user).split("{system}")
+        head = markup(fmt, before) + (system,) + markup(fmt, after)
+    return Segment(PROGRAM, head + (question,) + markup(fmt, fmt.assistant))
 
 
 def tool_round(fmt, call_text, result_text, author=MODEL):
@@ -109,28 +163,43 @@ def tool_round(fmt, call_text, result_text, author=MODEL):
     mistake and its error, but it is not in the loss, so the model does not learn
     to make the mistake.
     """
-    return [Segment(author, fmt.call + call_text + fmt.result),
-            Segment(PROGRAM, result_text + fmt.assistant)]
+    return [Segment(author, (Marker(fmt.call), call_text, Marker(fmt.result))),
+            Segment(PROGRAM, (result_text,) + markup(fmt, fmt.assistant))]
 
 
 def answer(fmt, text):
     """The model's last words: answer(MINAGENT, "8728") -> MODEL "8728<|end|>"."""
-    return Segment(MODEL, text + fmt.end)
+    return Segment(MODEL, (text, Marker(fmt.end)))
 
 
 def render_message(m, fmt):
     """One history message -> the Segment sent for it in chat format `fmt`.
 
-    A model message is sent exactly as the model wrote it; a result gets the marker that gives
-    the turn back, as in tool_round; any other message opens a user turn, as prompt() does.
-    (With CHATML that follows the model's "<|im_end|>" without the "\\n" its template puts
-    between turns.)
+    A model message is what the model wrote, its markers included (the agent loop keeps the
+    very ids it sampled; this is for traces built from text). A result is text, then the
+    marker that gives the turn back, as in tool_round; any other message opens a user turn, as
+    prompt() does. (With CHATML that follows the model's "<|im_end|>" without the "\\n" its
+    template puts between turns.)
     """
     if m.kind == "model":
-        return Segment(MODEL, m.text)
+        return Segment(MODEL, markup(fmt, m.text))
     if m.kind == "result":
-        return Segment(PROGRAM, m.text + fmt.assistant)
+        return Segment(PROGRAM, (m.text,) + markup(fmt, fmt.assistant))
     return prompt(fmt, m.text)
+
+
+def opening(fmt, start, system=None):
+    """An episode's start -> (the history's first message, the Segment the episode opens with).
+
+    A question (str) opens with prompt(fmt, question, system). A Segment (written by the
+    program, system text included) is sent as it is; its first message is its text without the
+    format's markers.
+    """
+    if isinstance(start, str):
+        return Message("first", start), prompt(fmt, start, system=system)
+    if system is not None:
+        raise ValueError("a Segment prompt is sent as it is: write the system text into it")
+    return Message("first", start.text.removeprefix(fmt.user).removesuffix(fmt.assistant)), start
 
 
 def text(trace):
@@ -149,7 +218,7 @@ def rounds(trace, fmt):
 
 def render(trace, tok):
     """trace -> (tokens_T int32, authors_T uint8): each segment encoded on its own, then concatenated."""
-    ids = [tok.encode(s.text) for s in trace]
+    ids = [encode(tok, s) for s in trace]
     tokens_T = np.array([t for seg in ids for t in seg], dtype=np.int32)
     authors_T = np.array([s.author for s, seg in zip(trace, ids) for _ in seg], dtype=np.uint8)
     return tokens_T, authors_T

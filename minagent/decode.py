@@ -9,12 +9,11 @@ into the row's pages. The two jitted steps are uses of it:
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
 
-Shapes are fixed by (B, T, the page-table width W, the cache), so after the
-first call of each bucket nothing recompiles, whatever the sequences' lengths.
-
-A row with n_new == 0, and every padding position t >= n_new, writes its K/V
-to the null page and nowhere else: a paused sequence's pages stay bit-identical
-while the others step (docs/DESIGN.md, "The pause mask").
+Shapes are fixed by (B, T, the page-table width W, the cache): after the first
+call of each shape nothing recompiles, whatever the sequences' lengths. A row
+with n_new == 0, and every padding position t >= n_new, writes its K/V to the
+null page and nowhere else: a paused sequence's pages stay bit-identical while
+the others step (docs/DESIGN.md, "The pause mask").
 Shape letters: docs/DESIGN.md, "Shape legend".
 """
 
@@ -38,11 +37,8 @@ TRACES = collections.Counter()
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """What the decode step reads of each of the B slots, and returns one token later.
-
-    A free, paused or finished slot has active False: it pushes nothing, and
-    its pending token and length stay as they are.
-    """
+    """What the decode step reads of each of the B slots, and returns one token later. A free, paused
+    or finished slot has active False: it pushes nothing; its pending token and length stay."""
     tokens_B: jax.Array         # int32 [B]     the pending token: pushed this step, at position lengths_B
     lengths_B: jax.Array        # int32 [B]     positions already in the cache
     active_B: jax.Array         # bool  [B]     the pause mask: True for the slots that advance
@@ -136,6 +132,8 @@ def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
     slot or on what else is in the batch. temperature and top_k are Python
     numbers (static under jit: a Batch keeps one setting, so one compile).
     """
+    if not 0 <= temperature < float("inf") or top_k < 0:      # a negative temperature inverts the odds
+        raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}: need temperature >= 0, top_k >= 0")
     if temperature == 0:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     logits_BxV = logits_BxV.astype(jnp.float32) / temperature

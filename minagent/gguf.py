@@ -17,6 +17,8 @@ import struct
 import numpy as np
 
 FETCH_HINT = "python -m minagent.weights fetch"
+MAX_NESTING = 8       # arrays of arrays of ...: deeper is a corrupt file, not a model
+MAX_DIMS = 4          # ggml tensors have at most 4 dimensions
 
 # metadata value types -> struct format (8: string, 9: array are handled apart)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f",
@@ -54,15 +56,19 @@ class _Cursor:
         self.pos += n
         return s
 
-    def value(self, vtype):
+    def value(self, vtype, key, depth=0):
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
         if vtype == 8:
             return self.string()
         if vtype == 9:
             elem_type, count = self.take("<I"), self.take("<Q")
-            return [self.value(elem_type) for _ in range(count)]
-        raise GGUFError(f"unknown metadata value type {vtype}")
+            if elem_type == 9 and depth >= MAX_NESTING:     # arrays of arrays: llama.cpp writes none deeper
+                raise GGUFError(f"{self.path}: metadata {key}: arrays nested more than {MAX_NESTING} deep")
+            if count > len(self.buf) - self.pos:            # every element takes at least one byte
+                raise self.truncated(f"the array {key}")
+            return [self.value(elem_type, key, depth + 1) for _ in range(count)]
+        raise GGUFError(f"{self.path}: metadata {key}: unknown value type {vtype}")
 
 
 def read(path):
@@ -88,21 +94,36 @@ def read(path):
     meta = {}
     for _ in range(n_kv):
         key = cur.string()
-        meta[key] = cur.value(cur.take("<I"))
+        if key in meta:
+            raise GGUFError(f"{path}: metadata key {key} is given twice")
+        meta[key] = cur.value(cur.take("<I"), key)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
-        dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
+        n_dims = cur.take("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"{path}: tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} expected)")
+        dims = [cur.take("<Q") for _ in range(n_dims)]
         infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
     align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align < 1:
+        raise GGUFError(f"{path}: general.alignment is {align!r}; a positive integer expected")
     data_start = (cur.pos + align - 1) // align * align
     tensors = {}
     for name, dims, ttype, offset in infos:
+        if name in tensors:
+            raise GGUFError(f"{path}: tensor {name} is listed twice")
         if ttype not in _TENSOR_TYPES:
             raise GGUFError(f"{path}: tensor {name} has ggml type {ttype}, which minagent cannot dequantize")
         tname, per_block, block_bytes = _TENSOR_TYPES[ttype]
         shape = tuple(reversed(dims))
-        n_bytes = int(np.prod(shape)) // per_block * block_bytes
+        n_values = 1
+        for d in dims:                                 # Python ints: a product past 2**64 stays exact
+            n_values *= d
+        if n_values % per_block or n_values * block_bytes // per_block > len(buf):
+            raise GGUFError(f"{path}: tensor {name} has shape {shape}, which a {tname} tensor in this "
+                            f"file cannot hold (corrupt, or truncated?)")
+        n_bytes = n_values // per_block * block_bytes
         start = data_start + offset
         if start + n_bytes > len(buf):
             raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated?); "

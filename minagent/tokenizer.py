@@ -22,7 +22,6 @@ smallest (left id, right id) wins. Hugging Face `tokenizers` has the same rule, 
 the bytes differently, so on ties the two can learn the same merges in another order.
 """
 
-import argparse
 import dataclasses
 import functools
 import heapq
@@ -31,6 +30,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 
+import numpy as np
 import regex
 
 # GPT-2's pre-tokenizer: contractions, letters with one optional leading space,
@@ -165,6 +165,11 @@ class Tokenizer:
         return ids
 
     def decode_bytes(self, ids):
+        ids = list(ids)
+        bad = [i for i in ids if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or
+               not 0 <= i < len(self.pieces)]
+        if bad:      # pieces[-1] would quietly be the last special token
+            raise ValueError(f"token ids {bad[:5]} are not ids of this tokenizer [0, {len(self.pieces)})")
         return b"".join(self.pieces[i] for i in ids)
 
     def decode(self, ids):
@@ -291,8 +296,10 @@ def save(tok, path):
 
 
 def load(path):
-    """Read a file written by save(); a ValueError names the line where a corrupt file goes wrong."""
+    """Read a file written by save(); a ValueError names the file, the line and what is wrong with it."""
     lines = pathlib.Path(path).read_text(encoding="utf-8").split("\n")
+    if lines[-1] == "":
+        lines.pop()                     # the newline that ends the last line
     at = 0
 
     def bad(why):
@@ -309,6 +316,8 @@ def load(path):
         key, _, n = take(f"'{name} N'").partition(" ")
         if key != name or not n.isdigit():
             raise bad(f"expected '{name} N'")
+        if int(n) > len(lines) - at:
+            raise bad(f"the header says {n} {name}, the file holds at most {len(lines) - at} more lines")
         return int(n)
 
     def piece(s):
@@ -320,13 +329,19 @@ def load(path):
     if (header := take("a header")) != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT!r} tokenizer file (first line {header[:60]!r})")
     key, _, pattern = take("'pattern REGEX'").partition(" ")
-    if key != "pattern":
-        raise bad("expected 'pattern REGEX'")
+    if key != "pattern" or not pattern:
+        raise bad("expected 'pattern REGEX', a pre-tokenizer pattern")
+    try:
+        regex.compile(pattern)
+    except regex.error as e:
+        raise bad(f"the pattern is not a regex ({e})") from None
     specials = {}
     for _ in range(section("specials")):
         i, _, name = take("a special").partition(" ")
         if not i.isdigit() or not name:
             raise bad("expected 'ID NAME'")
+        if name in specials or int(i) in specials.values():
+            raise bad("a special token's name or id given twice")
         specials[name] = int(i)
     pieces = tuple(piece(take("a piece")) for _ in range(section("pieces")))
     id_of = {p: i for i, p in enumerate(pieces) if i not in specials.values()}
@@ -336,6 +351,8 @@ def load(path):
         if len(pair) != 2 or not all(p in id_of for p in pair) or pair[0] + pair[1] not in id_of:
             raise bad("expected 'LEFT RIGHT', two pieces that merge into a third")
         merges.append((id_of[pair[0]], id_of[pair[1]]))
+    if at < len(lines):
+        raise ValueError(f"{path}: {len(lines) - at} lines after the {len(merges)} merges the header announced")
     if any(i >= len(pieces) for i in specials.values()):
         raise ValueError(f"{path}: a special token's id is past the {len(pieces)} pieces")
     return Tokenizer(pieces, tuple(merges), specials, pattern)
@@ -355,35 +372,3 @@ def from_gguf(path):
     id_of = {s: i for i, s in enumerate(names)}
     merges = tuple(tuple(id_of[x] for x in m.split(" ")) for m in meta["tokenizer.ggml.merges"])
     return Tokenizer(pieces, merges, specials, SMOLLM_PATTERN)
-
-
-# ---------------------------------------------------------------- command line
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m minagent.tokenizer", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train a BPE on a utf-8 text file")
-    t.add_argument("corpus")
-    t.add_argument("--vocab-size", type=int, default=8192)
-    t.add_argument("--pattern", choices=["gpt2", "smollm"], default="gpt2")
-    t.add_argument("--out", required=True)
-    e = sub.add_parser("encode", help="show how a text splits (FILE: a .tok file or a .gguf)")
-    e.add_argument("file")
-    e.add_argument("text")
-    args = ap.parse_args(argv)
-    if args.cmd == "train":
-        text = pathlib.Path(args.corpus).read_text(encoding="utf-8")
-        pattern = {"gpt2": GPT2_PATTERN, "smollm": SMOLLM_PATTERN}[args.pattern]
-        t0 = time.time()
-        tok = train(text, args.vocab_size, pattern, MINAGENT_SPECIALS, progress=True)
-        save(tok, args.out)
-        print(f"{len(tok.merges)} merges, {tok.n_vocab} ids, {time.time() - t0:.1f} s -> {args.out}")
-    else:
-        tok = from_gguf(args.file) if args.file.endswith(".gguf") else load(args.file)
-        ids = tok.encode(args.text)
-        print(" · ".join(repr(tok.decode([i])) for i in ids))  # repr shows spaces and newlines
-        print(ids)
-
-
-if __name__ == "__main__":
-    main()

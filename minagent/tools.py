@@ -59,14 +59,6 @@ def tool(fn):
     return wrapped
 
 
-def no_specials(text):
-    """no_specials("say <|end|>") -> "say < |end|>": no "<|" survives (the inserted " " follows a "<").
-
-    So a text cannot smuggle a special token (`<|end|>`, `<|assistant|>`) into the conversation,
-    where the tokenizer would read it as the real thing."""
-    return text.replace("<|", "< |")
-
-
 def _shown(word, n=16):
     """A user-supplied word as it appears inside an error message: cut, so the error stays short."""
     return word if len(word) <= n else word[:n] + "..."
@@ -166,9 +158,8 @@ class Toolbox:
 
     tools: name -> function (default calculator(seed); () for none at all, which makes every
     call an error: the control that must answer without tools). Calling a Toolbox never raises,
-    whatever the text, and its answer is at most max_result characters and never contains "<|":
-    a result cannot smuggle a special token (`<|end|>`) into the conversation, where the
-    tokenizer would read it as the real thing.
+    whatever the text, and its answer is at most max_result characters. (An answer that spells
+    "<|end|>" is harmless: chat.encode sends every result as text.)
 
     fail_first=True: the first call of the episode answers BUSY, whatever it is; the
     next calls work normally. This measures whether the model tries again.
@@ -183,7 +174,6 @@ class Toolbox:
     def __call__(self, call_text):
         self.calls += 1
         result = BUSY if self.fail_first and self.calls == 1 else self._run(call_text)
-        result = no_specials(result)
         if len(result) > self.max_result:
             result = result[:self.max_result - 3] + "..."
         self.log.append((call_text, result))

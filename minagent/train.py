@@ -24,6 +24,7 @@ Shape letters: docs/DESIGN.md, "Shape legend".
 
 import dataclasses
 import functools
+import glob
 import itertools
 import json
 import os
@@ -325,8 +326,8 @@ def _flatten(tree, prefix):
 def save_checkpoint(path, params, opt_state, cfg, tcfg, step, tokenizer=None, extra=None):
     """Write one .npz file: every leaf as a named array, plus a JSON header and the tokenizer's file.
 
-    Atomic: written to a temporary file in the same directory, then renamed over
-    `path` (os.replace), so `path` holds the old checkpoint or the new one, never half of one.
+    Atomic: written to a temporary file in the same directory (PATH.<random>.tmp), then renamed
+    over `path` (os.replace), so `path` holds the old checkpoint or the new one, never half of one.
     """
     arrays = _flatten(params, "params")
     if opt_state is not None:
@@ -342,7 +343,12 @@ def save_checkpoint(path, params, opt_state, cfg, tcfg, step, tokenizer=None, ex
                 arrays["tokenizer"] = np.frombuffer(f.read(), np.uint8)
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
 
-    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    # A write killed half-way (SIGKILL, power) leaves its temporary file behind: the next save of the
+    # same checkpoint removes it. (So two processes must not save the same path at once.)
+    folder, name = os.path.split(os.path.abspath(path))
+    for orphan in glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".*.tmp")):
+        os.remove(orphan)
+    fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=name + ".", suffix=".tmp")
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp_path, 0o666 & ~umask)    # mkstemp makes it private (0600); a checkpoint is an ordinary file

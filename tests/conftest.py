@@ -13,30 +13,32 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from minagent import chat, weights  # noqa: E402
+from minagent import rote as rote_module  # noqa: E402
+from minagent import tokenizer as tk  # noqa: E402
+from minagent.tasks.calculator import missions  # noqa: E402
+
 # With pytest-xdist (the default: -n 2 in pyproject.toml) both workers compile many of the same steps;
-# a compilation cache on disk, shared by the workers of this run only, lets the second read the first's.
-if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
-    import tempfile
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(tempfile.gettempdir(), f"minagent-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"))
+# a compilation cache on disk, made by the controlling process for this run only, lets one worker
+# read what the other compiled. The workers inherit its path in MINAGENT_TEST_CACHE.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MINAGENT_TEST_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["MINAGENT_TEST_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def pytest_sessionfinish(session):
-    """The controller (not a worker) removes the run's compilation cache."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run and not hasattr(session.config, "workerinput"):
-        import shutil
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):             # the controlling process, before workers start
         import tempfile
-        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"minagent-tests-{run}"), ignore_errors=True)
+        config.minagent_cache = os.environ["MINAGENT_TEST_CACHE"] = tempfile.mkdtemp(prefix="minagent-tests-")
 
-from minagent import chat, model, weights  # noqa: E402
-from minagent import tokenizer as tk  # noqa: E402
-from minagent.tasks.calculator import missions  # noqa: E402
+
+def pytest_unconfigure(config):
+    if hasattr(config, "minagent_cache"):
+        import shutil
+        shutil.rmtree(config.minagent_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -64,37 +66,7 @@ def smollm2_gguf():
     return path
 
 
-def rote_model(tok, *scripts):
-    """Params of a transformer that, greedily, writes after token a the token that follows a in `scripts`.
-
-    The layers add nothing (their output projections are zero), so the last position's logits
-    depend on its token only: token a is embedded as the one-hot of its state s(a), and the head
-    maps state s(a) to the token that follows a. rote_model(tok, "<|assistant|>ok<|end|>") answers
-    "ok<|end|>" to any prompt that ends with <|assistant|>. It runs through the real Batch, cache
-    and decode step, so the loop can be tested on exact, known episodes.
-    """
-    rules = {}
-    for script in scripts:
-        ids = tok.encode(script)
-        for a, b in zip(ids, ids[1:]):
-            assert rules.setdefault(a, b) == b, f"{tok.decode([a])!r} is followed by two different tokens"
-    D = 16                                          # one config for every script: its steps compile once
-    assert len(rules) < D, "a state per rule, and state 0"
-    cfg = model.Config(vocab_size=tok.n_vocab, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=8,
-                       tie_embeddings=False)
-    params = model.init(jax.random.PRNGKey(0), cfg)
-    layers = dict(params["layers"], wo=0 * params["layers"]["wo"], w_down=0 * params["layers"]["w_down"])
-    state = {a: s for s, a in enumerate(rules, 1)}                  # state 0: every other token
-    embed_VxD = np.zeros((cfg.vocab_size, D), np.float32)
-    embed_VxD[np.arange(cfg.vocab_size), [state.get(a, 0) for a in range(cfg.vocab_size)]] = 1
-    unembed_DxV = np.zeros((D, cfg.vocab_size), np.float32)
-    for a, b in rules.items():
-        unembed_DxV[state[a], b] = 10.0
-    return dict(params, layers=layers, embed=jax.numpy.asarray(embed_VxD),
-                unembed=jax.numpy.asarray(unembed_DxV)), cfg
-
-
 @pytest.fixture(scope="session")
 def rote():
-    """rote_model, for tests: rote(tok, script, ...) -> (params, cfg)."""
-    return rote_model
+    """minagent.rote.rote: rote(tok, script, ...) -> (params, cfg) of a model that writes the scripts."""
+    return rote_module.rote

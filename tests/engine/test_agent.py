@@ -6,7 +6,7 @@ The baseline: a tiny two-layer model trained on a single trace until it knows
 it by heart replays it identically in the loop (call, result and answer
 included), with and without the cache.
 
-The loop's edges run on a rote model (conftest.rote_model): a transformer whose
+The loop's edges run on a rote model (minagent/rote.py): a transformer whose
 weights make it write a fixed script, so the episodes are known exactly. A view
 that changes an old result must reuse the cache of everything before it; the
 stored history keeps everything; a refusing view ends the episode; past max_len
@@ -190,8 +190,8 @@ def test_arguments_are_checked(stok, rote):
 
 
 def test_opening():
-    assert agent.opening(FMT, "Hi.") == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
-    assert agent.opening(FMT, "Hi.", system="Be brief.")[1] == chat.prompt(FMT, "Hi.", system="Be brief.")
-    assert agent.opening(FMT, chat.prompt(FMT, "Hi.")) == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
+    assert chat.opening(FMT, "Hi.") == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
+    assert chat.opening(FMT, "Hi.", system="Be brief.")[1] == chat.prompt(FMT, "Hi.", system="Be brief.")
+    assert chat.opening(FMT, chat.prompt(FMT, "Hi.")) == (Message("first", "Hi."), chat.prompt(FMT, "Hi."))
     with pytest.raises(ValueError, match="system"):
-        agent.opening(FMT, chat.prompt(FMT, "Hi."), system="Be brief.")     # not silently ignored
+        chat.opening(FMT, chat.prompt(FMT, "Hi."), system="Be brief.")     # not silently ignored

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from minagent import model
 from minagent.batch import Batch
-from minagent.cache import OutOfPages, pages_for
+from minagent.batch import Stuck
+from minagent.cache import pages_for
 
 V = 40
 
@@ -185,7 +186,7 @@ def test_pages_hold_back_then_clear_error():
         assert list(batch.step()) == [a]
         assert batch.seqs[b].status == "queued"         # held back, not corrupted
     assert batch.seqs[a].status == "length" and len(batch.seqs[a].tokens) == 4 + 13
-    with pytest.raises(OutOfPages, match="wait for pages"):
+    with pytest.raises(Stuck, match="wait for pages"):
         batch.step()                               # nothing runs, nothing will free pages by itself
     batch.finish(a)
     assert len(run(batch)[b]) == 6
@@ -195,7 +196,7 @@ def test_pages_hold_back_then_clear_error():
         batch.add(list(range(1, 30)), 20)          # 49 > max_len
     with pytest.raises(ValueError, match="longer than the cache"):
         batch.add(list(range(1, 30)), 5)           # needs 9 pages, the pool has 5
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="not integers in the vocabulary"):
         batch.add([V + 3], 2)
 
 
@@ -205,7 +206,7 @@ def test_slots_queue_and_finish():
     for _ in range(3):
         assert list(batch.step()) == [a]
     assert batch.seqs[a].status == "length" and batch.seqs[b].status == "queued"
-    with pytest.raises(RuntimeError, match="wait for a slot"):
+    with pytest.raises(Stuck, match="wait for a slot"):
         batch.step()
     batch.finish(a)
     run(batch)
@@ -261,7 +262,7 @@ def play(schedule, use_cache):
             for _ in range(o[1]):
                 try:
                     out = batch.step()
-                except (OutOfPages, RuntimeError):
+                except Stuck:
                     break                           # stuck until the caller finishes something: step() says so
                 log.append(out)
                 for i in out:

@@ -189,3 +189,44 @@ def test_smollm2_matches_the_gguf_package(smollm2_gguf):
         assert ours.shape == expected.shape, t.name
         np.testing.assert_array_equal(ours, expected, err_msg=t.name)
     assert seen == {"F32", "Q8_0", "Q4_1"}
+
+
+# ---------------------------------------------------------------- inconsistent files
+
+def write(tmp_path, data, name="bad.gguf"):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("alignment", [0, -1])
+def test_an_alignment_below_one_is_named(tmp_path, alignment):
+    data = gguf_bytes([("general.alignment", INT32, alignment)], [("w", [4], F32, b"\0" * 16)])
+    with pytest.raises(gguf.GGUFError, match="general.alignment is"):
+        gguf.read(write(tmp_path, data))
+
+
+def test_arrays_nested_thousands_deep_are_refused(tmp_path):
+    # one key whose value is [[[...[]...]]], 5,000 deep: a RecursionError without a limit
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + pack_string("deep") + struct.pack("<I", ARRAY)
+    body = b"".join(struct.pack("<IQ", ARRAY, 1) for _ in range(5000)) + struct.pack("<IQ", UINT32, 0)
+    with pytest.raises(gguf.GGUFError, match="metadata deep: arrays nested more than 8 deep"):
+        gguf.read(write(tmp_path, head + body))
+
+
+def test_dimensions_whose_product_overflows_are_refused(tmp_path):
+    data = gguf_bytes([], [("w", [2**40, 2**40], F32, b"\0" * 16)])       # 2**80 values, in 16 bytes
+    with pytest.raises(gguf.GGUFError, match="tensor w has shape"):
+        gguf.read(write(tmp_path, data))
+
+
+def test_a_tensor_listed_twice_is_refused(tmp_path):
+    data = gguf_bytes([], [("w", [4], F32, b"\0" * 16), ("w", [4], F32, b"\1" * 16)])
+    with pytest.raises(gguf.GGUFError, match="tensor w is listed twice"):
+        gguf.read(write(tmp_path, data))
+
+
+def test_a_metadata_key_given_twice_is_refused(tmp_path):
+    data = gguf_bytes([("a", UINT32, 1), ("a", UINT32, 2)], [])
+    with pytest.raises(gguf.GGUFError, match="metadata key a is given twice"):
+        gguf.read(write(tmp_path, data))

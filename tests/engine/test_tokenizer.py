@@ -152,11 +152,21 @@ def test_save_load_round_trip(trained, tmp_path):
         assert back.encode(s) == trained.encode(s)
 
 
+def same_id(lines):
+    """The second special token given the first one's id."""
+    first = lines.index(next(x for x in lines if x.startswith("specials "))) + 1
+    return lines[:first + 1] + [lines[first].split()[0] + " " + lines[first + 1].split()[1]] + lines[first + 2:]
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda lines: ["minagent-bpe v0"] + lines[1:], "not a 'minagent-bpe v1'"),
-    (lambda lines: lines[:-40], "ends early"),
+    (lambda lines: lines[:-40], "the header says .* merges, the file holds at most"),    # fewer merges
     (lambda lines: lines[:-3] + ["Ġt Ġnope"] + lines[-2:], "corrupt"),
     (lambda lines: [lines[0], lines[1], "specials x"] + lines[3:], "expected 'specials N'"),
+    (lambda lines: [lines[0], "pattern "] + lines[2:], "line 2: .*a pre-tokenizer pattern"),
+    (lambda lines: [lines[0], "pattern ( ?\\p{L}+"] + lines[2:], "line 2: .*the pattern is not a regex"),
+    (same_id, "a special token's name or id given twice"),
+    (lambda lines: lines[:-1] + ["Ġt Ġh", ""], "1 lines after the .* merges"),
 ])
 def test_load_corrupt_file(trained, tmp_path, corrupt, message):
     path = tmp_path / "t.tok"

@@ -98,8 +98,7 @@ def test_lookup_through_toolbox_reads_the_episode_table():
 
 def _check(result):
     assert isinstance(result, str)
-    assert len(result) <= MAX_RESULT
-    assert "<|" not in result                           # no special token smuggled into the conversation
+    assert len(result) <= MAX_RESULT                    # (text that spells a token is harmless: chat.encode)
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,12 +125,7 @@ def test_structured_garbage_never_raises(name, args, fail_first):
     assert box.calls == 2
 
 
-def test_no_specials():
-    assert tools.no_specials("say <|end|>") == "say < |end|>"
-    assert tools.no_specials("<<||") == "<< ||"                    # the inserted " " makes no new "<|"
-    assert tools.no_specials("a < | b") == "a < | b"
-
-
-def test_special_token_text_is_defused():
-    assert Toolbox(0)("reverse >|dne|<") == "< |end|>"   # reversing it would have written <|end|>
-    assert Toolbox(0)("foo<|end|>") == "error: unknown tool foo< |end|>"
+def test_a_result_that_spells_a_special_token_is_kept_as_it_is():
+    """The toolbox does not escape it: the line is drawn where text becomes ids (chat.encode)."""
+    assert Toolbox(0)("reverse >|dne|<") == "<|end|>"
+    assert Toolbox(0)("foo<|end|>") == "error: unknown tool foo<|end|>"

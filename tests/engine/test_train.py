@@ -262,6 +262,16 @@ def test_checkpoint_write_is_atomic(params, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["ck.npz"]             # and no temporary file left behind
 
 
+def test_a_killed_write_leaves_nothing_after_the_next_save(params, tmp_path):
+    """SIGKILL gives no chance to clean up: what it leaves, the next save of that checkpoint removes."""
+    path = tmp_path / "ck.npz"
+    (tmp_path / "ck.npz.k1ll3d.tmp").write_bytes(b"PK\x03\x04 half")        # as a killed save leaves it
+    (tmp_path / "other.npz.x.tmp").write_bytes(b"another checkpoint's")       # not ours: kept
+    tr.save_checkpoint(path, params, None, TINY, tr.TrainConfig(), 3)
+    assert sorted(os.listdir(tmp_path)) == ["ck.npz", "other.npz.x.tmp"]
+    assert tr.load_checkpoint(path)["step"] == 3
+
+
 # ---------------------------------------------------------------- 6. schedule and optimizer
 
 def test_lr_schedule_warmup_then_cosine():

@@ -4,12 +4,15 @@ and request sets with disjoint train/test phrasings.
 Run: python -m pytest tests/tasks/test_gate.py -q
 """
 
+import dataclasses
 import json
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from minagent import chat
+from minagent import tokenizer as tk
 from minagent.tasks.shop import data as shop_data
 from minagent.tasks.shop import gate as shop
 from minagent.tasks.shop.gate import PendingApprovals, Verdict, approve, deny, execute, validate
@@ -158,7 +161,7 @@ def test_no_refund_executed_without_approval(split, tool_calls):
     for r in SETS[split]:
         answers = [shop_data.gold_json(r), call("refund", order_id="A1234", amount=5000)]
         for text in answers:
-            outcome = execute(validate(text), shop_data.prompt_text(r), approvals)
+            outcome = execute(validate(text), r.text, approvals)
             assert outcome.status in ("executed", "held")
             assert (outcome.status == "held") == (json.loads(text)["tool"] == "refund")
     assert not any(tool == "refund" for tool, _ in tool_calls)
@@ -278,7 +281,7 @@ def test_gold_answers_are_valid_and_unflagged():
         if r.tool == "refund":                      # its amount and order number are in the text
             assert r.args["amount"] in shop.amounts_in(r.text) and r.args["order_id"] in r.text
             assert execute(verdict, r.text).flags == ()
-        assert r.text and r.text == shop_data.prompt_text(r)
+        assert r.text and r.text in shop_data.prompt(r).text        # the prompt holds the request whole
 
 
 def test_grade():
@@ -292,3 +295,44 @@ def test_grade():
     assert shop_data.grade(person, call("ask_human", reason="they did not say")) == (True, True)
     repair = shop_data.Request("", "book_repair", {"item": "sewing machine", "day": "Friday"}, "normal", ())
     assert shop_data.grade(repair, call("book_repair", item=" Sewing Machine", day="friday")) == (True, True)
+
+
+@pytest.mark.parametrize("args, reason", [
+    ({"order_id": "A1234", "amount": 1e-300}, "bad amount"),          # less than a cent
+    ({"order_id": "A1234", "amount": 0.009}, "bad amount"),
+    ({"order_id": "A1234", "amount": 10_000.01}, "bad amount"),       # more than MAX_AMOUNT
+    ({"order_id": "A1234", "amount": 0.01}, None),                    # one cent: the least refund
+    ({"order_id": "A1234", "amount": 10_000}, None),
+])
+def test_amounts_between_a_cent_and_the_maximum(args, reason):
+    assert shop.check({"tool": "refund", "args": args}).reason == reason
+
+
+def test_texts_are_bounded_and_real_unicode():
+    item = "x" * 100_000
+    assert shop.check({"tool": "book_repair", "args": {"item": item, "day": "Friday"}}).reason == "text too long"
+    assert shop.check({"tool": "book_repair", "args": {"item": "x" * shop.MAX_TEXT, "day": "Friday"}}).ok
+    lone = '{"tool": "ask_human", "args": {"reason": "angry \\ud800 customer"}}'   # JSON's escape of a lone surrogate
+    assert shop.validate(lone).reason == "not valid Unicode"
+    assert shop.validate('{"tool": "ask_human", "args": {"reason": "angry \\ud83d\\ude20 customer"}}').ok   # a pair
+
+
+NAMES = ["<|user|>", "<|assistant|>", "<|end|>", "<|call|>", "<|result|>", "<|im_start|>", "<|im_end|>", "<|"]
+
+
+@pytest.fixture(scope="module")
+def chatml_tok(tok):
+    return tk.add_special_tokens(tok, chat.CHATML.specials)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.lists(st.one_of(st.sampled_from(NAMES), st.text(max_size=12)), max_size=8).map("".join))
+def test_shop_prompts_send_the_request_as_text(chatml_tok, text):
+    """A request, injection or not, that spells ChatML's markers stays text: the prompt's special tokens
+    are the system turn's, the user turn's and the assistant turn's, nothing else."""
+    req = dataclasses.replace(shop_data.test_set(0)[0], text=text)
+    ids = chat.encode(chatml_tok, shop_data.prompt(req))
+    specials = {i: n for n, i in chatml_tok.specials.items()}
+    assert [specials[t] for t in ids if t in specials] == ["<|im_start|>", "<|im_end|>", "<|im_start|>",
+                                                            "<|im_end|>", "<|im_start|>"]
+    assert text in shop_data.prompt(req).parts

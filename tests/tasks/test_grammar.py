@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minagent import decode, model
+from minagent import chat, decode, model
 from minagent.tasks.shop import data as shop_data
 from minagent.tasks.shop import gate as shop
 from minagent.tasks.shop import grammar as constrain
@@ -30,6 +30,11 @@ GOLD = [shop_data.gold_json(r) for r in shop_data.train_set(50)]
 TOK = tk.train(PROSE + "\n".join(GOLD), vocab_size=400)
 END = TOK.special("<|end|>")
 C = constrain.Constraint(TOK, END)
+
+
+def plain(requests):
+    """The requests as prompts of plain text (this tokenizer has no ChatML markers)."""
+    return [chat.Segment(chat.PROGRAM, r.text) for r in requests]
 
 
 def all_requests():
@@ -215,20 +220,21 @@ def test_batch_constrained_rows_validate_and_free_rows_unchanged(temperature):
 @pytest.mark.slow
 def test_answers_helper():
     reqs = shop_data.test_set(0)[:3]
-    texts, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END, C, temperature=1.0)
+    texts, stopped = constrain.answers(PARAMS, CFG, TOK, plain(reqs), END, C, temperature=1.0)
     assert all(shop.validate(t).ok for t in texts) and all(stopped), texts
     more = shop_data.test_set(0)[:6]          # more prompts than slots: finished ones give theirs back
-    texts, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more], END, C, slots=2)
+    texts, stopped = constrain.answers(PARAMS, CFG, TOK, plain(more), END, C, slots=2)
     assert len(texts) == 6 and all(shop.validate(t).ok for t in texts) and all(stopped), texts
-    _, stopped = constrain.answers(PARAMS, CFG, TOK, [r.text for r in more[:2]], END, limit=3)
+    _, stopped = constrain.answers(PARAMS, CFG, TOK, plain(more[:2]), END, limit=3)
     with pytest.raises(ValueError, match="end token"):      # answers could never stop
-        constrain.answers(PARAMS, CFG, TOK, [r.text for r in reqs], END + 1, C)
+        constrain.answers(PARAMS, CFG, TOK, plain(reqs), END + 1, C)
     assert stopped == [False, False]          # free answers cut at 3 tokens: the untrained model writes on
 
 
 def test_answers_refuses_a_mask_of_the_wrong_size():
     with pytest.raises(ValueError, match="constraint masks"):
-        constrain.answers(PARAMS, CFG, TOK, ["hi"], END, constrain.Constraint(TOK, END, n_vocab=TOK.n_vocab + 8))
+        constrain.answers(PARAMS, CFG, TOK, plain(shop_data.test_set(0)[:1]), END,
+                          constrain.Constraint(TOK, END, n_vocab=TOK.n_vocab + 8))
 
 
 @pytest.mark.slow

@@ -100,7 +100,7 @@ def test_fix_shows_an_error_then_a_corrected_call_and_does_not_teach_the_mistake
         (c0, r0), (c1, r1), *_ = chat.rounds(m.trace, fmt)
         assert r0.startswith("error: ") and not r1.startswith("error") and c0 != c1 and not m.fail_first
         # the malformed call is written by the generator (PROGRAM): it is read, not learned
-        assert m.trace[1] == chat.Segment(PROGRAM, fmt.call + c0 + fmt.result)
+        assert m.trace[1] == chat.Segment(PROGRAM, (chat.Marker(fmt.call), c0, chat.Marker(fmt.result)))
         assert all(s.author == MODEL for s in m.trace[3::2])
 
 

@@ -2,7 +2,7 @@
 
     python -m pytest tests/tasks/test_subagents.py -q
 
-The episodes run on a rote model (conftest.rote_model), so they are known exactly.
+The episodes run on a rote model (minagent/rote.py), so they are known exactly.
 """
 
 import dataclasses
@@ -17,7 +17,8 @@ from minagent.tasks.context import subagents as sub
 from minagent.tools import Toolbox
 
 FMT = chat.MINAGENT
-CALLS_FIRST = chat.Segment(chat.PROGRAM, "<|user|>Add up.<|assistant|><|call|>")   # the model goes on from <|call|>
+# The program writes the opening and the call marker: the model goes on from <|call|>.
+CALLS_FIRST = chat.Segment(chat.PROGRAM, chat.markup(FMT, "<|user|>Add up.<|assistant|><|call|>"))
 
 
 def run(params, cfg, stok, prompts, slots, max_len, brief_system=None, **kw):
@@ -107,7 +108,7 @@ def test_delegation_rule():
     assert sub.delegation("delegate x", 1, 0, max_depth=2) == ("x", None)
     assert sub.delegation("delegate x", 0, 8)[1].startswith("error: ")       # 8 already started
     assert sub.delegation("delegate", 0, 0)[1].startswith("error: ")         # no brief
-    assert sub.delegation("delegate say <|end|>", 0, 0) == ("say < |end|>", None)   # no special smuggled
+    assert sub.delegation("delegate say <|end|>", 0, 0) == ("say <|end|>", None)    # kept; sent as text
     done = agent.Record("done", "42", [], np.zeros(0), np.zeros(0), 0, 0, ())
     refused = dataclasses.replace(done, status="refused", answer=fit.REFUSAL_MESSAGE)
     assert sub.subagent_result(done) == "42"

@@ -40,8 +40,8 @@ class Counter:
 def exact_counter(tok, fmt=None):
     """Exact counts with tokenizer `tok`: of the rendered segment when `fmt` is given, else of the text."""
     if fmt is None:
-        return Counter(lambda m: len(tok.encode(m.text)))
-    return Counter(lambda m: len(tok.encode(chat.render_message(m, fmt).text)))
+        return Counter(lambda m: len(tok.encode_ordinary(m.text)))
+    return Counter(lambda m: len(chat.encode(tok, chat.render_message(m, fmt))))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,7 @@ starts at most 8 sub-agents, its sub-agents' own included.
 
 import dataclasses
 
-from minagent import agent
-from minagent.tools import no_specials
+from minagent import agent, chat
 
 DELEGATE = "delegate"
 MAX_DEPTH = 1
@@ -38,13 +37,13 @@ def delegation(call, depth, started, max_depth=MAX_DEPTH, max_subagents=MAX_SUBA
         return None, f"error: no more sub-agents, {max_subagents} already started"
     if not brief.strip():
         return None, "error: delegate takes a brief"
-    return no_specials(brief.strip()), None
+    return brief.strip(), None
 
 
 def subagent_result(record):
     """What the caller of `delegate` reads: the sub-agent's answer, its refusal, or an error."""
     if record.status in ("done", "refused"):
-        return no_specials(record.answer)
+        return record.answer
     return f"error: the sub-agent stopped without an answer ({record.status})"
 
 
@@ -80,8 +79,8 @@ class SubAgentLoop(agent.Loop):
             return self.deliver(ep, error)
         if brief is None:
             return super().serve(ep, call)
-        opening = agent.opening(self.fmt, brief, self.brief_system)[1]
-        if not self.batch.fits(len(self.tok.encode(opening.text)), self.max_stretch):
+        opening = chat.opening(self.fmt, brief, self.brief_system)[1]
+        if not self.batch.fits(len(chat.encode(self.tok, opening)), self.max_stretch):
             return self.deliver(ep, "error: the brief is too long")
         self.started[me.root] += 1
         self.start(brief, ep.toolbox, self.brief_system, parent=ep)

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import random
 
+from minagent import chat
 from minagent.tasks.shop import gate
 
 PHRASINGS = {
@@ -196,9 +197,10 @@ def gold_json(req):
     return json.dumps({"tool": req.tool, "args": req.args})
 
 
-def prompt_text(req):
-    """The user message (gate.SYSTEM_PROMPT goes separately, as the system message)."""
-    return req.text
+def prompt(req, fmt=chat.CHATML):
+    """What the model reads: gate.SYSTEM_PROMPT as the system text, then the request, as text.
+    The request is untrusted: whatever it spells stays text (chat.encode)."""
+    return chat.prompt(fmt, req.text, system=gate.SYSTEM_PROMPT)
 
 
 def _same(answer, gold):

@@ -59,9 +59,12 @@ RISK = {
 NEEDS_APPROVAL = frozenset(t for t, risk in RISK.items() if risk == "high")    # {"refund"}
 
 REASONS = ("invalid JSON", "not an object", "missing tool or args", "unknown tool",
-           "wrong arguments", "bad order number", "bad amount", "bad argument type")
+           "wrong arguments", "bad order number", "bad amount", "bad argument type", "text too long",
+           "not valid Unicode")
 ORDER_ID = re.compile(r"A[0-9]{4}")    # [0-9], not \d: \d also matches "A١٢٣٤" (Arabic-Indic digits)
 MAX_AMOUNT = 10_000                    # a larger refund is not a shop refund (and float(10**400) would overflow)
+MIN_AMOUNT = 0.01                      # one cent: 1e-300 dollars is no refund
+MAX_TEXT = 200                         # characters of an item, a day, a query or a reason
 
 
 # ---- the back ends: fake, deterministic, keyword arguments -> str ----
@@ -139,15 +142,25 @@ def _bad_arg(name, value):
     """The reason an argument value is refused, or None.
 
     Amounts must be JSON numbers (240 or 12.5), not strings ("240"): a number has one
-    meaning, a string might be "240,00", "2 40" or "240 EUR". Every other argument
-    is a non-empty string ("" and "  " are refused as "bad argument type")."""
+    meaning, a string might be "240,00", "2 40" or "240 EUR"; and between one cent and
+    MAX_AMOUNT. Every other argument is a non-empty string ("" and "  " are refused as "bad
+    argument type") of at most MAX_TEXT characters, and real Unicode text: JSON's "\\ud800"
+    escape gives a lone surrogate, which no text can hold."""
     if name == "order_id":
         return None if isinstance(value, str) and ORDER_ID.fullmatch(value) else "bad order number"
     if name == "amount":
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)   # True is an int in Python
-        ok = is_number and 0 < value <= MAX_AMOUNT      # also refuses NaN (no comparison holds) and inf
+        ok = is_number and MIN_AMOUNT <= value <= MAX_AMOUNT   # also refuses NaN (no comparison holds) and inf
         return None if ok else "bad amount"
-    return None if isinstance(value, str) and value.strip() else "bad argument type"
+    if not isinstance(value, str) or not value.strip():
+        return "bad argument type"
+    if len(value) > MAX_TEXT:
+        return "text too long"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid Unicode"
+    return None
 
 
 def check(call):

@@ -42,6 +42,7 @@ import functools
 
 import numpy as np
 
+from minagent import chat
 from minagent.batch import Batch
 from minagent.cache import pages_for
 from minagent.tasks.shop import gate
@@ -257,8 +258,8 @@ class Constraint:
 
 def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, limit=None, temperature=0.0,
             seed=0, page_size=16, **batch_kw):
-    """Decode one answer per prompt text through a Batch -> ([answer text, without the end token],
-    [whether it stopped at the end token, rather than at the limit]).
+    """Decode one answer per prompt (a chat.Segment) through a Batch -> ([answer text, without the end
+    token], [whether it stopped at the end token, rather than at the limit]).
 
     constraint=None: free decoding. With a Constraint every answer is a valid call, and the
     default limit (max_chars() + 1 tokens: every token writes at least one char) lets it finish.
@@ -271,7 +272,7 @@ def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, lim
     if constraint is not None and constraint.n_vocab != cfg.vocab_size:
         raise ValueError(f"the constraint masks {constraint.n_vocab} tokens, the model has {cfg.vocab_size}")
     limit = limit or max_chars() + 1
-    ids = [tok.encode(p) for p in prompts]
+    ids = [chat.encode(tok, p) for p in prompts]
     max_len = max(map(len, ids)) + limit
     slots = min(slots, len(ids))
     batch = Batch(params, cfg, slots=slots, n_pages=slots * pages_for(max_len, page_size) + 1, page_size=page_size,

@@ -1,0 +1,100 @@
+"""Tools run beside the batch: a slow tool holds only its own episode; a faulty one ends in its own error.
+
+    python -m pytest tests/engine/test_tools_beside.py -q
+
+Every episode runs on a rote model (minagent/rote.py) that calls `look` at once and again
+after each result, so each makes max_calls calls, and each call's tool is known.
+"""
+
+import threading
+import time
+
+import pytest
+
+from minagent import agent, chat
+
+FMT = chat.MINAGENT
+CALLER = "<|assistant|><|call|>look<|result|>"
+
+
+@pytest.fixture(scope="module")
+def caller(stok, rote):
+    params, cfg = rote(stok, CALLER)
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=8, max_len=128)
+    batch.warmup()                         # every shape compiled before the clocks start
+    return batch
+
+
+class Tool:
+    """Answers `text` after `sleep` seconds, and notes when each call started and ended."""
+
+    def __init__(self, sleep=0.0, text="ok"):
+        self.sleep, self.text, self.spans = sleep, text, []
+
+    def __call__(self, call):
+        start = time.monotonic()
+        time.sleep(self.sleep)
+        self.spans.append((start, time.monotonic()))
+        return self.text
+
+
+def test_a_slow_tool_holds_only_its_own_episode(stok, caller):
+    slow = [Tool(sleep=1.0) for _ in range(4)]
+    fast = [Tool() for _ in range(4)]
+    t0 = time.monotonic()
+    records = agent.run(caller, stok, FMT, [f"q{i}" for i in range(8)], slow + fast, max_calls=2)
+    wall = time.monotonic() - t0
+    assert [r.status for r in records] == ["calls"] * 8 and all(r.calls == [("look", "ok")] * 2 for r in records)
+    # the fast episodes did all their calls while the first slow call was still sleeping
+    first_slow_ends = min(end for tool in slow for _, end in tool.spans)
+    assert max(end for tool in fast for _, end in tool.spans) < first_slow_ends
+    tool_time = sum(end - start for tool in slow + fast for start, end in tool.spans)    # 8 s of sleeping
+    assert wall < 0.5 * tool_time, (wall, tool_time)                                    # about 2 s
+    assert caller.pool.n_used == 0
+
+
+def test_inline_tools_hold_the_batch(stok, caller):
+    """workers=0, for comparison: each call runs in the loop, and every episode waits for it."""
+    tools = [Tool(sleep=0.2) for _ in range(3)]
+    t0 = time.monotonic()
+    records = agent.run(caller, stok, FMT, ["a", "b", "c"], tools, max_calls=2, workers=0)
+    assert time.monotonic() - t0 >= 6 * 0.2 and all(r.status == "calls" for r in records)
+
+
+def hangs(call):
+    threading.Event().wait(3.0)           # longer than the timeout below: as good as never, here
+    return "late"
+
+
+def raises(call):
+    raise ConnectionError("the database is down")
+
+
+def nothing(call):
+    return None
+
+
+def test_faulty_tools_give_their_own_episode_an_error(stok, caller):
+    boxes = [hangs, raises, nothing, Tool(text="fine"), Tool(text="fine")]
+    records = agent.run(caller, stok, FMT, list("abcde"), boxes, max_calls=1, timeout=0.5)
+    assert [r.calls for r in records] == [
+        [("look", "error: look timed out after 0.5 s")],
+        [("look", "error: look failed (ConnectionError)")],
+        [("look", "error: look returned NoneType, not text")],
+        [("look", "fine")], [("look", "fine")]]
+    assert all(r.status == "calls" and r.history[-2].kind == "result" for r in records)   # each read its result
+    assert caller.pool.n_used == 0
+
+
+def test_a_raising_tool_inline_is_an_error_too(stok, caller):
+    (r,) = agent.run(caller, stok, FMT, ["a"], [raises], max_calls=1, workers=0)
+    assert r.calls == [("look", "error: look failed (ConnectionError)")]
+
+
+def test_the_tool_result_rules():
+    import concurrent.futures as cf
+    done = cf.Future()
+    done.set_result(42)
+    assert agent.tool_result(done, "sum 1 2", 1.0) == "error: sum returned int, not text"
+    assert agent.tool_result(cf.Future(), "sum", 2.5) == "error: sum timed out after 2.5 s"
+    assert agent.tool_result(cf.Future(), "", 1.0) == "error: tool timed out after 1 s"
