@@ -225,6 +225,34 @@ def _cached_train_step(cfg, tcfg, loss=None):
     return make_train_step(cfg, make_optimizer(tcfg), loss)
 
 
+# ---------------------------------------------------------------- on a mesh of devices
+
+def data_mesh(devices=None):
+    """A one-axis mesh, "data", over `devices` (default: every device of every process)."""
+    return jax.sharding.Mesh(np.array(devices or jax.devices()), ("data",))
+
+
+def placement(tree, mesh, sharding="data"):
+    """Where each leaf of `tree` lives on the mesh: a NamedSharding per leaf.
+
+    "data" (data parallel): every leaf whole on every device; only the batch is split.
+    "fsdp" (fully sharded): each leaf split along its largest axis that the device count
+    divides, whole where none does (a norm's few numbers, a step counter); XLA gathers a
+    weight where a step needs it whole. Wq [L, D, NH] = [2, 64, 64] on 8 devices -> P(None, "data", None).
+    """
+    if sharding not in ("data", "fsdp"):
+        raise ValueError(f"sharding={sharding!r}: 'data' or 'fsdp'")
+    n = mesh.shape["data"]
+
+    def one(leaf):
+        axes = [i for i, d in enumerate(np.shape(leaf)) if d % n == 0 and d >= n]
+        spec = [None] * np.ndim(leaf)
+        if sharding == "fsdp" and axes:
+            spec[max(axes, key=lambda i: np.shape(leaf)[i])] = "data"
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.tree.map(one, tree)
+
+
 # ---------------------------------------------------------------- evaluate and train
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -248,7 +276,7 @@ def evaluate(params, cfg, examples, seq_len, batch_size, bytes_per_token=None):
 
 def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkpoint_path=None,
           checkpoint_every=0, tokenizer=None, opt_state=None, start_step=0, stop_at=None,
-          bytes_per_token=None, loss=None, frozen=None):
+          bytes_per_token=None, loss=None, frozen=None, mesh=None, sharding="data"):
     """Train for tcfg.steps steps (or until stop_at steps are done) -> (params, history).
 
     The examples are packed once; each epoch visits the rows in a new order
@@ -264,6 +292,13 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     the adapters as params and the base model as frozen. (eval_examples need
     the model's weights: evaluate the merged params yourself.)
 
+    mesh, sharding: train over the devices of a mesh (data_mesh()): each step's rows are
+    split over its "data" axis, and params, optimizer state and `frozen` are placed as
+    placement(..., sharding) says. The step is the same jitted function; XLA adds the
+    communication. batch_size must be a multiple of the devices. Several processes: each
+    calls jax.distributed.initialize() first and passes the same examples (docs/DESIGN.md,
+    "Several devices").
+
     history: one dict every log_every steps (and at the last): step (steps
     done), loss (of that step's batch), lr (used by that step), grad_norm,
     tokens_per_s (rows x seq_len, padding included, since the last record;
@@ -277,13 +312,21 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     if opt_state is None:
         opt_state = make_optimizer(tcfg).init(params)
     opt_state = jax.tree.map(jnp.array, opt_state)
+    place = lambda tree: tree    # noqa: E731    one device: where they are
+    if mesh is not None:
+        if tcfg.batch_size % mesh.size:
+            raise ValueError(f"batch_size={tcfg.batch_size} must be a multiple of the mesh's {mesh.size} devices")
+        rows_BxT = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        params, opt_state, frozen = (None if t is None else jax.device_put(t, placement(t, mesh, sharding))
+                                     for t in (params, opt_state, frozen))
+        place = lambda batch: jax.device_put(batch, rows_BxT)   # noqa: E731    rows split over the devices
     rows = itertools.islice(_row_stream(len(data["tokens"]), tcfg.seed), start_step * tcfg.batch_size, None)
 
     history, t0, last = [], time.perf_counter(), start_step
     end = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
     for step in range(start_step, end):
         idx_B = np.fromiter(rows, np.int64, tcfg.batch_size)
-        params, opt_state, metrics = step_fn(params, opt_state, {k: v[idx_B] for k, v in data.items()}, frozen)
+        params, opt_state, metrics = step_fn(params, opt_state, place({k: v[idx_B] for k, v in data.items()}), frozen)
         done = step + 1
         evaluating = eval_examples is not None and (
             (tcfg.eval_every and done % tcfg.eval_every == 0) or done == end)

@@ -9,6 +9,7 @@ the other rows of the batch, and whatever garbage sits in pages a row does
 not own.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -212,3 +213,21 @@ def test_greedy_sampling_is_argmax():
     logits_BxV = _logits(2)
     got = decode.sample(logits_BxV, np.zeros(6, np.int32), np.zeros(6, np.int32), 0.0, 0)
     assert np.array_equal(got, np.argmax(logits_BxV, axis=-1))
+
+
+def cache_converts(cfg):
+    """Convert ops in the compiled decode step whose shape holds the whole pool (P, Z, K, H)."""
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    cache = init_cache(cfg, 65, 8)
+    hlo = decode.decode_step.lower(params, cfg, cache, decode.Slots.idle(4, 4)).compile().as_text()
+    pool = ",".join(map(str, cache["k"].shape[1:]))
+    return [line for line in hlo.splitlines() if " convert(" in line and pool in line]
+
+
+def test_no_cache_shaped_converts_in_the_default_decode_step():
+    """With the default float32 weights and cache, the compiled step converts nothing of the cache's
+    size: a convert of the whole pool per layer would cost as much as reading it. (The count bites:
+    with a bfloat16 cache XLA on CPU converts the pool to float32 and back in every layer.)"""
+    _, cfg = tiny()
+    assert cfg.dtype == "float32" and cache_converts(cfg) == []
+    assert len(cache_converts(dataclasses.replace(cfg, dtype="bfloat16"))) >= 2 * cfg.n_layers
