@@ -70,3 +70,24 @@ def smollm2_gguf():
 def rote():
     """minagent.rote.rote: rote(tok, script, ...) -> (params, cfg) of a model that writes the scripts."""
     return rote_module.rote
+
+
+# A rote script and a toolbox for the loop's tests: a reader that calls, and calls again, and
+# long results (184 tokens each for stok), long enough to be worth clearing from a view.
+READER = "<|assistant|><|call|>cat x<|result|>"     # reads part after part, forever
+
+
+def part(n):
+    """A long tool result (184 tokens for stok)."""
+    return f"part {n}: " + " ".join(str(100 + 7 * j) for j in range(60))
+
+
+class Parts:
+    """A toolbox whose n-th call returns part(n), whatever the call."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, call):
+        self.n += 1
+        return part(self.n)

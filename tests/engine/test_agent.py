@@ -22,6 +22,8 @@ from minagent.chat import Message
 from minagent.tasks.calculator import missions
 from minagent.tools import Toolbox
 
+from conftest import READER, Parts, part
+
 FMT = chat.MINAGENT
 
 
@@ -96,25 +98,6 @@ def test_rote_model_writes_its_script(stok, rote):
     (r,) = agent.run(batch, stok, FMT, ["Hi."], [Toolbox(0)])
     assert (r.status, r.answer, r.calls) == ("done", "ok", [])
     assert r.history == (Message("first", "Hi."), Message("model", "ok<|end|>"))
-
-
-READER = "<|assistant|><|call|>cat x<|result|>"     # reads part after part, forever
-
-
-def part(n):
-    """A long tool result (184 tokens for stok)."""
-    return f"part {n}: " + " ".join(str(100 + 7 * j) for j in range(60))
-
-
-class Parts:
-    """A toolbox whose n-th call returns part(n), whatever the call."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, call):
-        self.n += 1
-        return part(self.n)
 
 
 SHORT = Message("result", "[gone]")

@@ -24,6 +24,8 @@ from minagent.tasks.context import counting
 from minagent.tasks.context import fit as cx
 from minagent.tasks.context.fit import CLEARED, NOTE, REFUSED
 
+from conftest import READER, Parts, part
+
 SETTINGS = settings(deadline=None, max_examples=100)
 
 
@@ -289,25 +291,6 @@ def test_counter_counts_each_message_once():
 # ---------------------------------------------------------------- the fit as the loop's view
 
 FMT = chat.MINAGENT
-READER = "<|assistant|><|call|>cat x<|result|>"     # reads part after part, forever
-
-
-def part(n):
-    """A long tool result (184 tokens for stok): long enough to be worth clearing."""
-    return f"part {n}: " + " ".join(str(100 + 7 * j) for j in range(60))
-
-
-class Parts:
-    """A toolbox whose n-th call returns part(n), whatever the call."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, call):
-        self.n += 1
-        return part(self.n)
-
-
 def refills_by_messages(history, budget, count, fitter, render):
     """The loop's refills, recomputed message by message (a slow reference for its token-level reuse).
 
