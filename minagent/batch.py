@@ -88,12 +88,13 @@ class Batch:
     temperature == 0, else temperature and top_k (0: all tokens), one stream per sequence.
     cache=False pushes a sequence's whole token list again at every send (for comparison).
     prefill_rows and buckets fix the prefill shapes (rows x T tokens, T from buckets).
-    keep_logits records each sampled token's logits (tests).
+    attention: the decode step's, "gather" or "pallas" (decode.extend). keep_logits
+    records each sampled token's logits (tests).
     """
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
-                 buckets=(16, 64, 256, 1024), keep_logits=False):
+                 buckets=(16, 64, 256, 1024), attention="gather", keep_logits=False):
         for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
                                    ("max_len", max_len, 2), ("top_k", top_k, 0), ("prefill_rows", prefill_rows, 1)):
             if not _is_int(value) or value < least:
@@ -102,15 +103,17 @@ class Batch:
             raise ValueError(f"temperature={temperature!r}: >= 0 (0 is greedy)")
         if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
             raise ValueError(f"buckets={buckets!r}: prefill lengths, integers >= 1")
+        if attention not in ("gather", "pallas"):
+            raise ValueError(f"attention={attention!r}: 'gather' or 'pallas'")
         self.params, self.cfg = decode.unstack_layers(params), cfg     # a list of layers: read in place
         self.page_size, self.max_len = page_size, max_len
         self.stop_tokens, self.pause_tokens = frozenset(stop_tokens), frozenset(pause_tokens)
         self.use_cache, self.seed, self.keep_logits = cache, seed, keep_logits
-        self.temperature, self.top_k = float(temperature), int(top_k)
+        self.temperature, self.top_k, self.attention = float(temperature), int(top_k), attention
         self.prefill_rows = min(prefill_rows, slots)               # more rows than slots would all be padding
         self.buckets = sorted({min(b, max_len) for b in buckets})  # no chunk is longer than max_len
         self.pool = PagePool(n_pages)
-        self.kv = init_cache(cfg, n_pages, page_size)               # {"k", "v"}: [L, P, Z, K, H]
+        self.kv = init_cache(cfg, n_pages, page_size)               # {"k", "v"}: [L, K, P, Z, H]
         W = pages_for(max_len, page_size)
         self.state = decode.Slots.idle(slots, W)                    # the decode step's input, kept on the host
         # A step reads every page in its table's width, so it gets only as many columns as its longest
@@ -230,7 +233,8 @@ class Batch:
         for W in self.widths:
             idle = decode.Slots.idle(B, W)
             for allowed in [None] + ([np.ones((B, V), bool)] if masked else []):
-                _, _, self.kv = self._run(decode.decode_step, idle, self.temperature, self.top_k, allowed)
+                _, _, self.kv = self._run(decode.decode_step, idle, self.temperature, self.top_k, allowed,
+                                          self.attention)
 
     # ------------------------------------------------------------ inside
 
@@ -342,7 +346,7 @@ class Batch:
                 if s.mask is not None:
                     allowed_BxV[s.slot] = s.mask(s.tokens[s.stretch:])
         later, logits_BxV, self.kv = self._run(decode.decode_step, state, self.temperature, self.top_k,
-                                               allowed_BxV)
+                                               allowed_BxV, self.attention)
         self.state.tokens_B[:] = later.tokens_B       # the one device -> host sync of the step
         self.state.lengths_B[:] = later.lengths_B
         logits_BxV = np.asarray(logits_BxV) if self.keep_logits else None

@@ -24,10 +24,14 @@ NULL_PAGE = 0
 
 
 def init_cache(cfg, n_pages, page_size):
-    """-> {"k": [L, P, Z, K, H], "v": [L, P, Z, K, H]}, zeros in cfg.dtype. Page 0 is the null page."""
+    """-> {"k": [L, K, P, Z, H], "v": [L, K, P, Z, H]}, zeros in cfg.dtype. Page 0 is the null page.
+
+    The kv heads come before the pages: one head's pages are one block of memory, the layout
+    paged-attention kernels read (decode.paged_attention).
+    """
     if n_pages < 2:
         raise ValueError(f"n_pages={n_pages}: need at least 2 (page 0 is the null page)")
-    shape = (cfg.n_layers, n_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim)
     return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 

@@ -52,16 +52,19 @@ class Slots:
         return cls(zeros_B, zeros_B.copy(), np.zeros(B, bool), zeros_B.copy(), np.zeros((B, W), np.int32))
 
 
-def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, attention="gather"):
     """Push tokens_BxT[b, :n_new_B[b]] at positions start_B[b], start_B[b] + 1, ... of row b.
 
     Returns (logits_BxV of each row's last new token, the updated cache).
     Rows with n_new == 0 get meaningless (finite) logits and change nothing
-    but the null page.
+    but the null page. attention: "gather" (the reference: gather the W pages of
+    every row, mask) or "pallas" (T == 1 only: `paged_attention`, each row's own pages).
     """
     B, T = tokens_BxT.shape
     W = page_table_BxW.shape[1]
-    Z, K, H = cache["k"].shape[2:]
+    K, _, Z, H = cache["k"].shape[1:]
+    if attention not in ("gather", "pallas") or (attention == "pallas" and T != 1):
+        raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', or 'pallas' for one")
     S = W * Z                     # key positions: every position of the row's gathered pages
 
     positions_BxT = start_B[:, None] + jnp.arange(T)
@@ -83,18 +86,24 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
     mask_BxTxS = (key_pos_S <= positions_BxT[:, :, None]) & holds_BxS[:, None, :]
 
     def layer(carry, lp_and_l):
-        x_BxTxD, k_LxPxZxKxH, v_LxPxZxKxH = carry
+        x_BxTxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
         lp, l = lp_and_l
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = model.qkv(lp, cfg, x_BxTxD, positions_BxT)
         # Write first, then read the row's pages back: the chunk attends to itself through the cache.
         # The cache is carried from layer to layer, so XLA updates it in place (no per-layer copies).
-        k_LxPxZxKxH = k_LxPxZxKxH.at[l, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxPxZxKxH.dtype))
-        v_LxPxZxKxH = v_LxPxZxKxH.at[l, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxPxZxKxH.dtype))
-        keys_BxSxKxH = k_LxPxZxKxH[l][page_table_BxW].reshape(B, S, K, H)
-        values_BxSxKxH = v_LxPxZxKxH[l][page_table_BxW].reshape(B, S, K, H)
-        values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
-        attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
-        return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH), k_LxPxZxKxH, v_LxPxZxKxH), None
+        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is [B, T, K, H].)
+        k_LxKxPxZxH = k_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
+        v_LxKxPxZxH = v_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
+        if attention == "pallas":
+            attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH[l], v_LxKxPxZxH[l], page_table_BxW,
+                                          length_B)[:, None]
+        else:
+            keys_BxSxKxH = gather_pages(k_LxKxPxZxH[l], page_table_BxW)
+            values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], page_table_BxW)
+            values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
+            attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
+        return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH.reshape(B, T, -1)),
+                k_LxKxPxZxH, v_LxKxPxZxH), None
 
     carry = (model.embed(params, tokens_BxT), cache["k"], cache["v"])
     if isinstance(params["layers"], list):     # unstack_layers(params): one layer after another, in place
@@ -107,6 +116,35 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
     x_last_Bx1xD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
     logits_BxV = model.unembed(params, cfg, x_last_Bx1xD)[:, 0]
     return logits_BxV, {"k": k, "v": v}
+
+
+def gather_pages(pool_KxPxZxH, page_table_BxW):
+    """Each row's W pages, in order, as its S = W * Z key positions -> [B, S, K, H]."""
+    K, _, Z, H = pool_KxPxZxH.shape
+    B, W = page_table_BxW.shape
+    return pool_KxPxZxH[:, page_table_BxW].reshape(K, B, W * Z, H).transpose(1, 2, 0, 3)
+
+
+def paged_attention(q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, length_B):
+    """One query per row over the first length_B[b] positions of row b's pages -> [B, N, H].
+
+    The same attention as the gather path, computed by JAX's Pallas paged-attention kernel
+    (jax.experimental.pallas.ops.gpu), which loads only the pages a row holds, block by block,
+    with an online softmax. On a GPU it compiles through Triton; elsewhere it runs in Pallas's
+    interpret mode (slow: for checking it against the gather path). Unlike the gather path it
+    needs finite cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V.
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
+    H = q_BxNxH.shape[-1]
+    W = page_table_BxW.shape[1]
+    splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
+    block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
+    q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_KxPxZxH.dtype)
+    out_BxNxH = pallas_ops.paged_attention(
+        q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, jnp.maximum(length_B, 1).astype(jnp.int32),
+        block_h=16, pages_per_compute_block=block, k_splits=splits,
+        interpret=jax.default_backend() != "gpu")
+    return out_BxNxH
 
 
 def unstack_layers(params):
@@ -162,20 +200,21 @@ def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_Bx
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k"), donate_argnames=("cache",))
-def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None, attention="gather"):
     """Push each active slot's pending token and sample the next -> (slots one token later, logits_BxV, cache).
 
     In the returned Slots an active slot's pending token is the one just sampled,
     at position lengths_B + 1; the other slots are as they were. allowed_BxV
     (bool, optional) limits what each row may sample: a sequence's token mask
     (Batch.add's `mask`); None compiles the step without it. The returned logits
-    are the model's, unmasked.
+    are the model's, unmasked. attention: "gather" or "pallas" (extend).
     """
     TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None] += 1
     n_new_B = slots.active_B.astype(jnp.int32)
     logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B, n_new_B,
-                               slots.page_table_BxW)
+                               slots.page_table_BxW, attention)
     masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
     next_B = sample(masked_BxV, slots.seeds_B, slots.lengths_B + 1, temperature, top_k)
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),

@@ -21,6 +21,7 @@ PARAMS = model.init(jax.random.PRNGKey(0), CFG)
     (dict(page_size=0), "page_size=0"), (dict(slots=0), "slots=0"), (dict(n_pages=1), "n_pages=1"),
     (dict(temperature=-0.5), "temperature=-0.5"), (dict(temperature=float("nan")), "temperature=nan"),
     (dict(top_k=-1), "top_k=-1"), (dict(max_len=2.5), "max_len=2.5"), (dict(buckets=()), "buckets=()"),
+    (dict(attention="flash"), "attention='flash'"),
 ])
 def test_batch_settings(kw, name):
     with pytest.raises(ValueError, match=name.replace("(", r"\(").replace(")", r"\)")):

@@ -72,10 +72,12 @@ def test_paused_and_resumed_equals_prompted_whole(temperature):
     assert batch.seqs[a].positions == len(batch.seqs[a].tokens) - 1 == batch.seqs[b].positions
 
 
-def test_batch_equals_forward():
-    """Sequences of many lengths, chunked prefills, a queue, growing decode widths: logits == forward's."""
+@pytest.mark.parametrize("attention", ["gather", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_batch_equals_forward(attention):
+    """Sequences of many lengths, chunked prefills, a queue, growing decode widths: logits == forward's
+    (with either attention in the decode step; Pallas in interpret mode off a GPU)."""
     batch = Batch(PARAMS, CFG, slots=3, n_pages=40, page_size=4, max_len=64, buckets=(4, 16), prefill_rows=2,
-                  keep_logits=True)
+                  attention=attention, keep_logits=True)
     prompts = [[7], [5, 6, 7, 8, 9], list(range(1, 18)), [(3 * j) % V for j in range(40)]]
     ids = [batch.add(p, 12) for p in prompts]
     while batch.running():

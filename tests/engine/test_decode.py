@@ -135,10 +135,10 @@ def test_paused_slot_is_bit_identical():
     _, cache = extend(params, cfg, cache, prompt_BxT, np.zeros(3, np.int32), lengths_B, table_BxW)
     table_before, lengths_before = table_BxW.copy(), lengths_B.copy()
     own_pages = table_BxW[1]
-    k_before, v_before = np.asarray(cache["k"][:, own_pages]), np.asarray(cache["v"][:, own_pages])
+    k_before, v_before = np.asarray(cache["k"][:, :, own_pages]), np.asarray(cache["v"][:, :, own_pages])
     untouched = np.setdiff1d(np.arange(1 + 3 * W), table_BxW[[0, 2]].ravel())   # null page may change
     untouched = untouched[untouched != 0]
-    all_before = np.asarray(cache["k"][:, untouched])
+    all_before = np.asarray(cache["k"][:, :, untouched])
     active_B = np.array([True, False, True])
     for step in range(5):
         tokens_B = np.array([step + 1, 99 % cfg.vocab_size, step + 2], np.int32)
@@ -146,9 +146,9 @@ def test_paused_slot_is_bit_identical():
         later, _, cache = decode.decode_step(params, cfg, cache, slots)
         assert later.tokens_B[1] == tokens_B[1]          # the paused slot's pending token stays
         lengths_B = np.asarray(later.lengths_B)
-    assert np.array_equal(np.asarray(cache["k"][:, own_pages]), k_before)
-    assert np.array_equal(np.asarray(cache["v"][:, own_pages]), v_before)
-    assert np.array_equal(np.asarray(cache["k"][:, untouched]), all_before)
+    assert np.array_equal(np.asarray(cache["k"][:, :, own_pages]), k_before)
+    assert np.array_equal(np.asarray(cache["v"][:, :, own_pages]), v_before)
+    assert np.array_equal(np.asarray(cache["k"][:, :, untouched]), all_before)
     assert lengths_B[1] == lengths_before[1] and np.array_equal(table_BxW, table_before)
     assert lengths_B[0] == 11                         # and the others did move
 
@@ -216,7 +216,7 @@ def test_greedy_sampling_is_argmax():
 
 
 def cache_converts(cfg):
-    """Convert ops in the compiled decode step whose shape holds the whole pool (P, Z, K, H)."""
+    """Convert ops in the compiled decode step whose shape holds the whole pool (K, P, Z, H)."""
     params = model.init(jax.random.PRNGKey(0), cfg)
     cache = init_cache(cfg, 65, 8)
     hlo = decode.decode_step.lower(params, cfg, cache, decode.Slots.idle(4, 4)).compile().as_text()
@@ -231,3 +231,43 @@ def test_no_cache_shaped_converts_in_the_default_decode_step():
     _, cfg = tiny()
     assert cfg.dtype == "float32" and cache_converts(cfg) == []
     assert len(cache_converts(dataclasses.replace(cfg, dtype="bfloat16"))) >= 2 * cfg.n_layers
+
+
+def test_pallas_attention_equals_the_gather_path():
+    """JAX's Pallas paged-attention kernel (interpret mode off a GPU) against the gather path, in the
+    decode step: random page tables in a shuffled pool, lengths from 1 to the table's width,
+    paused rows and a free one, finite garbage in every page a row has not written. Same logits
+    and cache (to float tolerance), same sampled tokens."""
+    params, cfg = tiny(seed=3)
+    rng = np.random.RandomState(4)
+    B, Z, W, n_pages = 6, 4, 8, 64
+    cache = init_cache(cfg, n_pages, Z)
+    cache = jax.tree.map(lambda c: jnp.asarray(rng.normal(size=c.shape) * 3, c.dtype), cache)   # old K/V
+    pool = PagePool(n_pages)
+    rng.shuffle(pool.free)
+    lengths_B = np.array([0, 1, 5, 12, 27, 17], np.int32)         # row 0 is free: nothing, no pages
+    table_BxW = np.zeros((B, W), np.int32)
+    for b, n in enumerate(lengths_B):
+        pages = pool.alloc(pages_for(int(n) + 4, Z)) if n else []
+        table_BxW[b, :len(pages)] = pages
+    # Prefill what each row holds (the gather path: T > 1), so the pages hold real keys and values.
+    prompt_BxT = rng.randint(0, cfg.vocab_size, (B, 32)).astype(np.int32)
+    _, cache = extend(params, cfg, cache, prompt_BxT, np.zeros(B, np.int32), lengths_B, table_BxW)
+    slots = decode.Slots(rng.randint(0, cfg.vocab_size, B).astype(np.int32), lengths_B,
+                         np.array([False, True, True, False, True, True]), np.arange(B, dtype=np.int32), table_BxW)
+    caches = {a: jax.tree.map(jnp.copy, cache) for a in ("gather", "pallas")}
+    states, logits = {a: slots for a in caches}, {a: [] for a in caches}
+    for _ in range(4):                                          # row 4 crosses into a new page
+        for a in caches:
+            states[a], lg, caches[a] = decode.decode_step(params, cfg, caches[a], states[a], attention=a)
+            logits[a].append(np.asarray(lg))
+    active_B = slots.active_B
+    got, want = np.stack(logits["pallas"])[:, active_B], np.stack(logits["gather"])[:, active_B]
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    assert np.array_equal(states["pallas"].tokens_B, states["gather"].tokens_B)
+    assert np.array_equal(states["pallas"].lengths_B, states["gather"].lengths_B)
+    for name in ("k", "v"):
+        # (layer 1's keys differ as its input does: layer 0's attention, to float tolerance)
+        np.testing.assert_allclose(caches["pallas"][name][:, :, 1:], caches["gather"][name][:, :, 1:], atol=2e-5)
+    with pytest.raises(ValueError, match="'pallas' for one"):
+        decode.extend(params, cfg, cache, prompt_BxT, np.zeros(B, np.int32), lengths_B, table_BxW, "pallas")
