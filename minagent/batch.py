@@ -43,6 +43,7 @@ keeps its pages, for one that will wait long; the next send queues it again.
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from minagent import decode
@@ -90,11 +91,15 @@ class Batch:
     prefill_rows and buckets fix the prefill shapes (rows x T tokens, T from buckets).
     attention: the decode step's, "gather" or "pallas" (decode.extend). keep_logits
     records each sampled token's logits (tests).
+
+    mesh: a one-axis ("data") mesh of D devices to split the slots over (slots / D each),
+    each device with its own n_pages pages and null page, and prefill_rows rows a call
+    (decode.prefill_step_on). A sequence stays on the device that holds its pages.
     """
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
-                 buckets=(16, 64, 256, 1024), attention="gather", keep_logits=False):
+                 buckets=(16, 64, 256, 1024), attention="gather", mesh=None, keep_logits=False):
         for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
                                    ("max_len", max_len, 2), ("top_k", top_k, 0), ("prefill_rows", prefill_rows, 1)):
             if not _is_int(value) or value < least:
@@ -105,15 +110,21 @@ class Batch:
             raise ValueError(f"buckets={buckets!r}: prefill lengths, integers >= 1")
         if attention not in ("gather", "pallas"):
             raise ValueError(f"attention={attention!r}: 'gather' or 'pallas'")
+        D = 1 if mesh is None else mesh.size
+        if mesh is not None and (mesh.axis_names != ("data",) or slots % D):
+            raise ValueError(f"mesh {dict(mesh.shape)} for {slots} slots: one axis, 'data', dividing the slots")
         self.params, self.cfg = decode.unstack_layers(params), cfg     # a list of layers: read in place
         self.page_size, self.max_len = page_size, max_len
         self.stop_tokens, self.pause_tokens = frozenset(stop_tokens), frozenset(pause_tokens)
         self.use_cache, self.seed, self.keep_logits = cache, seed, keep_logits
         self.temperature, self.top_k, self.attention = float(temperature), int(top_k), attention
-        self.prefill_rows = min(prefill_rows, slots)               # more rows than slots would all be padding
+        self.prefill_rows = min(prefill_rows, slots // D)          # more rows than slots would all be padding
         self.buckets = sorted({min(b, max_len) for b in buckets})  # no chunk is longer than max_len
-        self.pool = PagePool(n_pages)
-        self.kv = init_cache(cfg, n_pages, page_size)               # {"k", "v"}: [L, K, P, Z, H]
+        self.mesh, self.pool = mesh, PagePool(n_pages, devices=D)
+        self.kv = init_cache(cfg, n_pages * D, page_size)           # {"k", "v"}: [L, K, P, Z, H]
+        if mesh is not None:                                        # device d holds pages d * P ... (d + 1) * P - 1
+            self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(mesh, decode.PAGES))
+            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         W = pages_for(max_len, page_size)
         self.state = decode.Slots.idle(slots, W)                    # the decode step's input, kept on the host
         # A step reads every page in its table's width, so it gets only as many columns as its longest
@@ -227,7 +238,7 @@ class Batch:
         for shorter, T in zip([0] + self.buckets, self.buckets):
             for W in self.widths:
                 if W >= self._width(shorter + 1):      # a chunk gets bucket T only if longer than `shorter`
-                    zeros = np.zeros(self.prefill_rows, np.int32)
+                    zeros = np.zeros(self.prefill_rows * self.pool.devices, np.int32)
                     self.kv = self._run(decode.prefill_step, np.zeros((len(zeros), T), np.int32), zeros, zeros,
                                         np.zeros((len(zeros), W), np.int32))
         for W in self.widths:
@@ -268,21 +279,32 @@ class Batch:
         # Sequences that kept their slot go first, then the others in arrival order.
         for id in sorted(self._queue, key=lambda i: self.seqs[i].slot is None):
             seq = self.seqs[id]
-            free_slots = [b for b, i in enumerate(self._in_slot) if i is None]
-            if seq.slot is None and not free_slots:
+            slot = seq.slot if seq.slot is not None else self._free_slot(seq)
+            if slot is None:
                 continue
             need = pages_for(len(seq.tokens) + seq.limit - 1, self.page_size) - len(seq.pages)
-            if need > self.pool.n_free:
+            if need > len(self.pool.free[self._device(slot)]):
                 short.append(id)
                 continue
             if seq.slot is None:
-                seq.slot = free_slots[0]
+                seq.slot = slot
                 self._in_slot[seq.slot] = id
-            seq.pages += self.pool.alloc(need)
+            seq.pages += self.pool.alloc(need, self._device(slot))
             seq.status = "running"
             self._queue.remove(id)
             admitted.append(seq)
         return admitted, short
+
+    def _device(self, slot):
+        return slot * self.pool.devices // len(self._in_slot)
+
+    def _free_slot(self, seq):
+        """A free slot for a sequence that has none: on the device of its pages if it kept some (parked),
+        else on the device with the most free pages; None if there is no such slot."""
+        free = [b for b, i in enumerate(self._in_slot) if i is None]
+        if seq.pages:
+            free = [b for b in free if self._device(b) == self.pool.device_of(seq.pages[0])]
+        return max(free, key=lambda b: len(self.pool.free[self._device(b)]), default=None)
 
     def _seat(self, seq):
         """Write the sequence's row of the decode state: pending token, length, seed, pages, pause bit."""
@@ -312,27 +334,35 @@ class Batch:
 
     def _run(self, fn, *args):
         before = sum(decode.TRACES.values())
-        out = fn(self.params, self.cfg, self.kv, *args)
+        if self.mesh is None:
+            out = fn(self.params, self.cfg, self.kv, *args)
+        else:
+            out = decode.ON_MESH[fn](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before
         return out
 
     def _prefill(self, seqs):
         """Push pending[:-1] of each sequence, prefill_rows rows per call, chunks of at most the largest bucket."""
-        R, biggest = self.prefill_rows, self.buckets[-1]
+        R, D, biggest = self.prefill_rows, self.pool.devices, self.buckets[-1]
         while todo := sorted((s for s in seqs if len(s.pending) > 1), key=lambda s: len(s.pending)):
-            rows = todo[:R]            # similar lengths together: less padding
-            chunks = [s.pending[:min(len(s.pending) - 1, biggest)] for s in rows]
-            T = next(b for b in self.buckets if b >= max(map(len, chunks)))
-            W = self._width(max(s.cached + len(c) for s, c in zip(rows, chunks)))
-            tokens_BxT, table_BxW = np.zeros((R, T), np.int32), np.zeros((R, W), np.int32)
-            start_B, n_new_B = np.zeros(R, np.int32), np.zeros(R, np.int32)   # padding rows: n_new 0
-            for b, (seq, chunk) in enumerate(zip(rows, chunks)):
+            # Similar lengths together: less padding. Up to R rows for each device, from its own sequences.
+            rows = {}
+            for d in range(D):
+                rows.update(enumerate([s for s in todo if self._device(s.slot) == d][:R], start=d * R))
+            chunks = {b: s.pending[:min(len(s.pending) - 1, biggest)] for b, s in rows.items()}
+            T = next(t for t in self.buckets if t >= max(map(len, chunks.values())))
+            W = self._width(max(rows[b].cached + len(c) for b, c in chunks.items()))
+            tokens_BxT, table_BxW = np.zeros((D * R, T), np.int32), np.zeros((D * R, W), np.int32)
+            start_B, n_new_B = np.zeros(D * R, np.int32), np.zeros(D * R, np.int32)   # padding rows: n_new 0
+            for b, seq in rows.items():
+                chunk = chunks[b]
                 tokens_BxT[b, :len(chunk)] = chunk
                 start_B[b], n_new_B[b] = seq.cached, len(chunk)
                 pages = seq.pages[:W]
                 table_BxW[b, :len(pages)] = pages
             self.kv = self._run(decode.prefill_step, tokens_BxT, start_B, n_new_B, table_BxW)
-            for seq, chunk in zip(rows, chunks):
+            for b, seq in rows.items():
+                chunk = chunks[b]
                 del seq.pending[:len(chunk)]
                 seq.positions += len(chunk)
 

@@ -45,46 +45,53 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    """Host-side free list with reference counts.
+    """Host-side free lists with reference counts, for `devices` devices of n_pages pages each.
 
     A page is free when its count is 0. `alloc` hands out pages with count 1;
     `retain` adds an owner (two sequences sharing a prompt prefix could both
     point at the same pages); `release` drops one owner and frees the page when
-    none is left. Page 0 is never handed out.
+    none is left. Page ids are global: device d holds pages d * n_pages to
+    d * n_pages + n_pages - 1, the first of them its null page, never handed out.
+    On one device (the usual case) that is pages 0 to n_pages - 1, page 0 null.
     """
 
-    def __init__(self, n_pages):
-        self.n_pages = n_pages
-        self.refcount = [0] * n_pages
-        # A stack: the most recently freed page is reused first (it is likely still in cache memory).
-        self.free = list(range(n_pages - 1, NULL_PAGE, -1))
+    def __init__(self, n_pages, devices=1):
+        self.n_pages, self.devices = n_pages, devices          # n_pages: on each device
+        self.refcount = [0] * (n_pages * devices)
+        # A stack per device: the most recently freed page is reused first (likely still in cache memory).
+        self.free = [list(range(d * n_pages + n_pages - 1, d * n_pages, -1)) for d in range(devices)]
 
     @property
     def n_free(self):
-        return len(self.free)
+        return sum(map(len, self.free))
 
     @property
     def n_used(self):
-        return self.n_pages - 1 - len(self.free)
+        return self.devices * (self.n_pages - 1) - self.n_free
 
-    def alloc(self, n):
-        if n > len(self.free):
-            raise OutOfPages(f"asked for {n} pages but only {len(self.free)} of {self.n_pages - 1} are free")
-        pages = [self.free.pop() for _ in range(n)]
+    def device_of(self, page):
+        return page // self.n_pages
+
+    def alloc(self, n, device=0):
+        free = self.free[device]
+        if n > len(free):
+            raise OutOfPages(f"asked for {n} pages but only {len(free)} of {self.n_pages - 1} are free"
+                             + (f" on device {device}" if self.devices > 1 else ""))
+        pages = [free.pop() for _ in range(n)]
         for p in pages:
             self.refcount[p] = 1
         return pages
 
     def retain(self, pages):
         for p in pages:
-            if p == NULL_PAGE or self.refcount[p] == 0:
+            if p % self.n_pages == NULL_PAGE or self.refcount[p] == 0:
                 raise ValueError(f"retain of page {p}, which is not allocated")
             self.refcount[p] += 1
 
     def release(self, pages):
         for p in pages:
-            if p == NULL_PAGE or self.refcount[p] == 0:
+            if p % self.n_pages == NULL_PAGE or self.refcount[p] == 0:
                 raise ValueError(f"release of page {p}, which is not allocated (double free?)")
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
-                self.free.append(p)
+                self.free[self.device_of(p)].append(p)

@@ -220,3 +220,42 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),
                                 lengths_B=slots.lengths_B + n_new_B)
     return later, logits_BxV, cache
+
+
+# ---------------------------------------------------------------- the same steps over a mesh of devices
+#
+# A Batch on a mesh (one axis, "data", of D devices) splits its slots into D blocks and its page
+# pool into D blocks: device d runs its rows against its own pages, alone. No row reads another
+# device's pages, so the steps need no communication at all; shard_map runs each device's part
+# as the one-device step. Page ids in the tables are global (device d's are d * P to d * P + P - 1,
+# P pages each, the first its null page), and each device reads them as its own: id % P.
+
+ROWS, PAGES = jax.sharding.PartitionSpec("data"), jax.sharding.PartitionSpec(None, None, "data")
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg"), donate_argnames=("cache",))
+def prefill_step_on(mesh, params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+    """prefill_step with rows and pages split over `mesh`: rows b * D / B ... on device d."""
+    def part(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+        P = cache["k"].shape[2]
+        return prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW % P)
+    return jax.shard_map(part, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), PAGES, ROWS, ROWS, ROWS, ROWS),
+                         out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_step_on(mesh, params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None,
+                   attention="gather"):
+    """decode_step with slots and pages split over `mesh`."""
+    def part(params, cache, slots, allowed_BxV):
+        P = cache["k"].shape[2]
+        local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
+        later, logits_BxV, cache = decode_step(params, cfg, cache, local, temperature, top_k, allowed_BxV,
+                                               attention)
+        return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), logits_BxV, cache
+    return jax.shard_map(part, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), PAGES, ROWS, ROWS),
+                         out_specs=(ROWS, ROWS, PAGES))(params, cache, slots, allowed_BxV)
+
+
+ON_MESH = {prefill_step: prefill_step_on, decode_step: decode_step_on}

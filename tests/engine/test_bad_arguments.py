@@ -22,6 +22,7 @@ PARAMS = model.init(jax.random.PRNGKey(0), CFG)
     (dict(temperature=-0.5), "temperature=-0.5"), (dict(temperature=float("nan")), "temperature=nan"),
     (dict(top_k=-1), "top_k=-1"), (dict(max_len=2.5), "max_len=2.5"), (dict(buckets=()), "buckets=()"),
     (dict(attention="flash"), "attention='flash'"),
+    (dict(mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",))), "one axis, 'data'"),
 ])
 def test_batch_settings(kw, name):
     with pytest.raises(ValueError, match=name.replace("(", r"\(").replace(")", r"\)")):

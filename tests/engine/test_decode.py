@@ -45,7 +45,7 @@ class Rows:
         self.cache = init_cache(cfg, n_pages, page_size)
         self.pool = PagePool(n_pages)
         rng = np.random.RandomState(len(seqs) * 7 + page_size)
-        rng.shuffle(self.pool.free)
+        rng.shuffle(self.pool.free[0])
         self.table_BxW = np.zeros((len(seqs), self.W), np.int32)
         for r, s in enumerate(seqs):
             pages = self.pool.alloc(pages_for(len(s), page_size))
@@ -244,7 +244,7 @@ def test_pallas_attention_equals_the_gather_path():
     cache = init_cache(cfg, n_pages, Z)
     cache = jax.tree.map(lambda c: jnp.asarray(rng.normal(size=c.shape) * 3, c.dtype), cache)   # old K/V
     pool = PagePool(n_pages)
-    rng.shuffle(pool.free)
+    rng.shuffle(pool.free[0])
     lengths_B = np.array([0, 1, 5, 12, 27, 17], np.int32)         # row 0 is free: nothing, no pages
     table_BxW = np.zeros((B, W), np.int32)
     for b, n in enumerate(lengths_B):

@@ -1,4 +1,5 @@
-"""Training over a mesh of devices gives the single-device losses: data parallel and FSDP, full and LoRA.
+"""Over a mesh of devices, training gives the single-device losses (data parallel and FSDP, full and
+LoRA), and a Batch split over the devices gives the single-device tokens.
 
     python -m pytest tests/engine/test_mesh.py -q -m slow
 
@@ -7,6 +8,7 @@ starts, so each check runs in a fresh Python process. Two processes of four devi
 train together through jax.distributed (gloo on CPU), and must agree with one process.
 """
 
+import inspect
 import json
 import os
 import socket
@@ -14,9 +16,12 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
-pytestmark = pytest.mark.slow        # each check starts fresh Python processes: ~30 s each on 2 cores
+from minagent import train
+
+slow = pytest.mark.slow              # each check that starts fresh Python processes: ~30 s each on 2 cores
 
 SETUP = """
 import json, sys
@@ -52,6 +57,7 @@ def result(proc, timeout=600):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@slow
 def test_data_parallel_and_fsdp_give_the_single_device_losses():
     got = result(python("""
         mesh = train.data_mesh()
@@ -69,6 +75,7 @@ def test_data_parallel_and_fsdp_give_the_single_device_losses():
             assert max(abs(a - b) for a, b in zip(got[f"{kind} {how}"], single)) <= 1e-5, (kind, how, got)
 
 
+@slow
 def test_the_batch_must_split_over_the_devices():
     got = result(python("""
         import dataclasses
@@ -86,6 +93,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@slow
 def test_two_processes_train_together_as_one():
     """2 processes x 4 CPU devices, jax.distributed over gloo: one mesh of 8, the single process's losses."""
     port = free_port()
@@ -100,3 +108,73 @@ def test_two_processes_train_together_as_one():
     both = [result(p) for p in procs]
     assert both[0] == both[1]
     assert max(abs(a - b) for a, b in zip(both[0], one)) <= 1e-5, (both, one)
+
+
+def serve(mesh, seed, slots=8):
+    """12 sequences through a Batch of `slots` slots (temperature 1): random prompts and limits; each
+    time one pauses, stops or reaches its limit, it is sent new tokens (up to 3 times; every third
+    time parked first), then finished. What is sent depends on the sequence only, never on the
+    schedule. Checks on the way that each sequence's pages lie on one device, and at the end that
+    every page of every device is free -> (each sequence's tokens, pauses, parks)."""
+    import jax
+    import numpy as np
+    from minagent import model
+    from minagent.batch import WAITING, Batch
+    V = 40
+    cfg = model.Config(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    params = jax.tree.map(lambda w: 4 * w if w.ndim > 1 else w, model.init(jax.random.PRNGKey(0), cfg))
+    D = 1 if mesh is None else mesh.size
+    # Pages for all 12 on each device (10 each at most): parked sequences keep theirs, and with less a
+    # device could hold parked ones that all wait for more pages there, a schedule the caller must break.
+    batch = Batch(params, cfg, slots=slots, n_pages=1 + 12 * 10, page_size=4, max_len=40,
+                  buckets=(4, 16), prefill_rows=2, temperature=1.0, pause_tokens=[3], stop_tokens=[4], mesh=mesh)
+    rng = np.random.RandomState(seed)
+    ids = [batch.add(list(rng.randint(5, V, rng.randint(1, 20))), int(rng.randint(1, 12))) for _ in range(12)]
+    sent, pauses, parks = dict.fromkeys(ids, 0), 0, 0
+    while True:
+        for i in ids:                                    # the caller, in id order
+            seq = batch.seqs[i]
+            if seq.status in WAITING:
+                pauses += seq.status == "paused"
+                more = [5 + (7 * i + 3 * sent[i] + j) % (V - 5) for j in range(1 + (i + sent[i]) % 4)]
+                if sent[i] < 3 and batch.fits(len(seq.tokens) + len(more), 6):
+                    if (i + sent[i]) % 3 == 0:
+                        batch.park(i)
+                        parks += 1
+                    sent[i] += 1
+                    batch.send(i, seq.tokens + more, 6)
+                else:
+                    batch.finish(i)
+        if not batch.running():
+            break
+        batch.step()
+        for seq in batch.seqs.values():
+            assert len({batch.pool.device_of(p) for p in seq.pages}) <= 1, seq
+    assert [len(f) for f in batch.pool.free] == [batch.pool.n_pages - 1] * D, "leaked pages"
+    return [batch.seqs[i].tokens for i in ids], pauses, parks
+
+
+@slow
+def test_a_batch_on_a_one_device_mesh_equals_the_plain_batch():
+    """The mesh path (shard_map, global page ids) on one device: the same tokens as without a mesh."""
+    plain, pauses, parks = serve(None, 0)
+    assert serve(train.data_mesh(jax.devices()[:1]), 0) == (plain, pauses, parks)
+    assert pauses > 0 and parks > 0
+
+
+@slow
+def test_a_batch_split_over_8_devices_gives_the_single_device_tokens():
+    """Slots and pages split over 8 CPU devices (1 and 2 slots each), random schedules with pause,
+    send, park and finish: each sequence's tokens as on one device; no page leaks on any device."""
+    got = result(python(inspect.getsource(serve) + textwrap.dedent("""
+        mesh = train.data_mesh()
+        assert mesh.size == 8
+        out = []
+        for seed in range(4):
+            for slots in (8, 16):
+                one, many = serve(None, seed, slots), serve(mesh, seed, slots)
+                out.append([one == many, one[1], one[2]])
+        print(json.dumps(out))
+    """)))
+    assert all(same for same, _, _ in got), got
+    assert sum(p for _, p, _ in got) > 0 and sum(k for _, _, k in got) > 0
