@@ -92,6 +92,9 @@ class Batch:
     attention: the decode step's, "gather" or "pallas" (decode.extend). keep_logits
     records each sampled token's logits (tests).
 
+    cache_dtype: the K/V pool's; default cfg.dtype on a GPU, float32 elsewhere (XLA on CPU
+    would convert a bfloat16 pool to float32 and back in every layer of every step).
+
     mesh: a one-axis ("data") mesh of D devices to split the slots over (slots / D each),
     each device with its own n_pages pages and null page, and prefill_rows rows a call
     (decode.prefill_step_on). A sequence stays on the device that holds its pages.
@@ -99,7 +102,7 @@ class Batch:
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
-                 buckets=(16, 64, 256, 1024), attention="gather", mesh=None, keep_logits=False):
+                 buckets=(16, 64, 256, 1024), attention="gather", cache_dtype=None, mesh=None, keep_logits=False):
         for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
                                    ("max_len", max_len, 2), ("top_k", top_k, 0), ("prefill_rows", prefill_rows, 1)):
             if not _is_int(value) or value < least:
@@ -121,7 +124,8 @@ class Batch:
         self.prefill_rows = min(prefill_rows, slots // D)          # more rows than slots would all be padding
         self.buckets = sorted({min(b, max_len) for b in buckets})  # no chunk is longer than max_len
         self.mesh, self.pool = mesh, PagePool(n_pages, devices=D)
-        self.kv = init_cache(cfg, n_pages * D, page_size)           # {"k", "v"}: [L, K, P, Z, H]
+        cache_dtype = cache_dtype or (cfg.dtype if jax.default_backend() == "gpu" else "float32")
+        self.kv = init_cache(cfg, n_pages * D, page_size, cache_dtype)   # {"k", "v"}: [L, K, P, Z, H]
         if mesh is not None:                                        # device d holds pages d * P ... (d + 1) * P - 1
             self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(mesh, decode.PAGES))
             self.params = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 NULL_PAGE = 0
 
 
-def init_cache(cfg, n_pages, page_size):
-    """-> {"k": [L, K, P, Z, H], "v": [L, K, P, Z, H]}, zeros in cfg.dtype. Page 0 is the null page.
+def init_cache(cfg, n_pages, page_size, dtype=None):
+    """-> {"k": [L, K, P, Z, H], "v": [L, K, P, Z, H]}, zeros in `dtype` (default cfg.dtype). Page 0 is null.
 
     The kv heads come before the pages: one head's pages are one block of memory, the layout
     paged-attention kernels read (decode.paged_attention).
@@ -32,7 +32,8 @@ def init_cache(cfg, n_pages, page_size):
     if n_pages < 2:
         raise ValueError(f"n_pages={n_pages}: need at least 2 (page 0 is the null page)")
     shape = (cfg.n_layers, cfg.n_kv_heads, n_pages, page_size, cfg.head_dim)
-    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+    dtype = dtype or cfg.dtype
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def pages_for(n_positions, page_size):

@@ -102,8 +102,8 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
             values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], page_table_BxW)
             values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
             attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
-        return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH.reshape(B, T, -1)),
-                k_LxKxPxZxH, v_LxKxPxZxH), None
+        attn_BxTxNH = attn_BxTxNH.reshape(B, T, -1).astype(x_BxTxD.dtype)   # the cache's dtype may be wider
+        return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
 
     carry = (model.embed(params, tokens_BxT), cache["k"], cache["v"])
     if isinstance(params["layers"], list):     # unstack_layers(params): one layer after another, in place

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from minagent import decode, model
+from minagent.batch import Batch
 from minagent.cache import PagePool, init_cache, pages_for
 
 extend = jax.jit(decode.extend, static_argnums=1)
@@ -215,10 +216,10 @@ def test_greedy_sampling_is_argmax():
     assert np.array_equal(got, np.argmax(logits_BxV, axis=-1))
 
 
-def cache_converts(cfg):
+def cache_converts(cfg, cache_dtype=None):
     """Convert ops in the compiled decode step whose shape holds the whole pool (K, P, Z, H)."""
     params = model.init(jax.random.PRNGKey(0), cfg)
-    cache = init_cache(cfg, 65, 8)
+    cache = init_cache(cfg, 65, 8, cache_dtype)
     hlo = decode.decode_step.lower(params, cfg, cache, decode.Slots.idle(4, 4)).compile().as_text()
     pool = ",".join(map(str, cache["k"].shape[1:]))
     return [line for line in hlo.splitlines() if " convert(" in line and pool in line]
@@ -226,11 +227,16 @@ def cache_converts(cfg):
 
 def test_no_cache_shaped_converts_in_the_default_decode_step():
     """With the default float32 weights and cache, the compiled step converts nothing of the cache's
-    size: a convert of the whole pool per layer would cost as much as reading it. (The count bites:
-    with a bfloat16 cache XLA on CPU converts the pool to float32 and back in every layer.)"""
+    size: a convert of the whole pool per layer would cost as much as reading it. The count bites:
+    with a bfloat16 cache XLA on CPU converts the pool to float32 and back in every layer; so off
+    a GPU the Batch keeps bfloat16 weights' cache in float32, and that step converts nothing."""
     _, cfg = tiny()
     assert cfg.dtype == "float32" and cache_converts(cfg) == []
-    assert len(cache_converts(dataclasses.replace(cfg, dtype="bfloat16"))) >= 2 * cfg.n_layers
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+    assert cache_converts(bf16, "float32") == []
+    if jax.default_backend() == "cpu":
+        assert len(cache_converts(bf16)) >= 2 * cfg.n_layers
+        assert Batch(model.init(jax.random.PRNGKey(0), bf16), bf16, slots=1).kv["k"].dtype == jnp.float32
 
 
 def test_pallas_attention_equals_the_gather_path():
