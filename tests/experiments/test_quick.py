@@ -25,12 +25,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run_quick(script, tmp_path):
+def run_quick(script, tmp_path, folder="experiments"):
     out = tmp_path / (pathlib.Path(script).stem + ".json")
     # The scripts run (not only compile) models: without conftest's flag that turns XLA's optimisations off.
     xla_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "XLA_FLAGS": xla_flags}
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / folder / script), "--quick", "--out", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -276,3 +276,18 @@ def test_06_context_quick(tmp_path):
         else:
             assert set(steps) <= {-1, 0, 1, 2, 3} and steps.get(-1, 0) == r["statuses"].get("refused", 0)
     assert_figure(tmp_path, "06_context.py")
+
+
+@pytest.mark.slow
+def test_bench_gpu_quick(tmp_path):
+    """benchmarks/bench_gpu.py runs (a small model; on CPU the Pallas rows run in interpret mode):
+    every decode shape with both attentions and both dtypes, times above zero, floors below them."""
+    got = run_quick("bench_gpu.py", tmp_path, folder="benchmarks")
+    decode = [r for r in got["rows"] if r["kind"] == "decode"]
+    assert len(decode) == 2 * 2 * 2 * 2 and got["quick"] and got["bandwidth"] > 0
+    assert {(r["dtype"], r["attention"]) for r in decode} == {(d, a) for d in ("float32", "bfloat16")
+                                                              for a in ("gather", "pallas")}
+    assert all(r["ms"] > 0 and 0 < r["floor_ms"] and r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"])
+               for r in decode)
+    train_rows = [r for r in got["rows"] if r["kind"] == "train"]
+    assert len(train_rows) == 2 and all(0 < r["mfu"] and r["tokens_per_s"] > 0 for r in train_rows)

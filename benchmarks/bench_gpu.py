@@ -1,0 +1,147 @@
+"""Decode and training on one accelerator against their rooflines (written for a GPU; --quick runs anywhere).
+
+Decode: decode.decode_step on random SmolLM2-135M-shaped weights (the GGUF file is not needed), every
+slot active, each row holding `context` positions in its own pages of 16; batch 1, 32, 256; context
+128 and 2,048; float32 and bfloat16 (weights and cache); gather and Pallas attention. A step's floor
+is the larger of its bytes over the memory bandwidth (the weights once, plus each row's keys and
+values) and its FLOPs over the matmul peak, both measured in the same run (a large copy; a large
+matmul in the step's dtype). Training: train.make_train_step, tokens/s and MFU against that peak.
+Every row prints time, floor and their ratio (1.0 is the roofline).
+
+    python benchmarks/bench_gpu.py            # on an H200: a few minutes
+    python benchmarks/bench_gpu.py --quick    # a small model and short contexts, any backend (~1 min on CPU)
+
+Writes benchmarks/results/gpu.json (--out to change). Off a GPU the Pallas kernel runs in interpret
+mode, so its times there mean nothing; --quick exists to check that the script runs.
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minagent import decode, model
+from minagent import train as tr
+from minagent.cache import init_cache, pages_for
+
+SMOLLM2 = model.Config(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_ff=1536)
+SMALL = model.Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+Z = 16
+
+
+def timed(fn, repeats):
+    """Median seconds of fn() (which blocks until its result is ready), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bandwidth(n_bytes, repeats):
+    """Bytes per second of x * 2 over a large array: it reads and writes every byte once."""
+    x = jnp.ones(n_bytes // 4, jnp.float32)
+    double = jax.jit(lambda x: x * 2)
+    return 2 * n_bytes / timed(lambda: double(x).block_until_ready(), repeats)
+
+
+def matmul_peak(n, dtype, repeats):
+    """FLOP/s of an n x n @ n x n matmul in `dtype` (float32 accumulation)."""
+    a, b = jax.random.normal(jax.random.PRNGKey(0), (2, n, n), jnp.float32).astype(dtype)
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / timed(lambda: mm(a, b).block_until_ready(), repeats)
+
+
+def decode_row(cfg, params, B, context, attention, peak, bw, repeats):
+    """One decode step of B rows that each hold `context` positions -> a result row."""
+    W = pages_for(context, Z)
+    cache = init_cache(cfg, 1 + B * W, Z)
+    table_BxW = (1 + np.arange(B * W, dtype=np.int32)).reshape(B, W)
+    # The pending token goes to position context - 1: after the step each row holds `context` positions.
+    slots = decode.Slots(np.ones(B, np.int32), np.full(B, context - 1, np.int32), np.ones(B, bool),
+                         np.arange(B, dtype=np.int32), table_BxW)
+    slots = jax.device_put(slots)
+    state = {"cache": cache}
+
+    def step():
+        _, logits, state["cache"] = decode.decode_step(params, cfg, state["cache"], slots, attention=attention)
+        logits.block_until_ready()
+    seconds = timed(step, repeats)
+    item = jnp.dtype(cfg.dtype).itemsize
+    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * item * B
+    weight_bytes = model.n_params(params) * item
+    flops = B * model.flops_per_token(cfg, context)
+    floor = max((weight_bytes + kv_bytes) / bw, flops / peak)
+    return dict(kind="decode", dtype=cfg.dtype, attention=attention, batch=B, context=context,
+                ms=1e3 * seconds, floor_ms=1e3 * floor, ratio=seconds / floor,
+                bound="memory" if (weight_bytes + kv_bytes) / bw >= flops / peak else "compute")
+
+
+def train_row(cfg, params, batch_size, seq_len, peak, repeats):
+    tcfg = tr.TrainConfig(steps=100, batch_size=batch_size, seq_len=seq_len)
+    optimizer = tr.make_optimizer(tcfg)
+    step = tr.make_train_step(cfg, optimizer)
+    rng = np.random.RandomState(0)
+    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (batch_size, seq_len)), jnp.int32)
+    batch = dict(tokens=tokens, targets=jnp.roll(tokens, -1, axis=1),
+                 positions=jnp.broadcast_to(jnp.arange(seq_len), (batch_size, seq_len)),
+                 segments=jnp.zeros((batch_size, seq_len), jnp.int32), mask=jnp.ones((batch_size, seq_len)))
+    state = {"params": jax.tree.map(jnp.copy, params)}
+    state["opt"] = optimizer.init(state["params"])
+
+    def run():
+        state["params"], state["opt"], metrics = step(state["params"], state["opt"], batch)
+        metrics["loss"].block_until_ready()
+    seconds = timed(run, repeats)
+    flops = batch_size * seq_len * 3 * model.flops_per_token(cfg, seq_len)
+    return dict(kind="train", dtype=cfg.dtype, batch=batch_size, context=seq_len, ms=1e3 * seconds,
+                floor_ms=1e3 * flops / peak, ratio=seconds * peak / flops,
+                tokens_per_s=batch_size * seq_len / seconds, mfu=flops / seconds / peak)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, short contexts, few repeats")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "gpu.json"))
+    args = parser.parse_args()
+    q = args.quick
+    base = SMALL if q else SMOLLM2
+    batches, contexts, repeats = ((1, 4), (32, 64), 3) if q else ((1, 32, 256), (128, 2048), 20)
+    device = jax.devices()[0]
+    bw = bandwidth(2 ** 24 if q else 2 ** 31, repeats)
+    print(f"{device.platform} {device.device_kind}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(base, dtype=dtype)
+        params = model.init(jax.random.PRNGKey(0), cfg)
+        peak = matmul_peak(256 if q else 8192, dtype, repeats)
+        print(f"{dtype}: matmul peak {peak / 1e12:.1f} TFLOP/s")
+        for context in contexts:
+            for B in batches:
+                for attention in ("gather", "pallas"):
+                    rows.append(decode_row(cfg, decode.unstack_layers(params), B, context, attention, peak, bw,
+                                           repeats))
+                    r = rows[-1]
+                    print(f"decode {dtype:8} {attention:6} B {B:3} context {context:5}: {r['ms']:8.3f} ms, "
+                          f"floor {r['floor_ms']:7.3f} ms ({r['bound']}), ratio {r['ratio']:6.2f}", flush=True)
+        rows.append(train_row(cfg, params, 4 if q else 32, 64 if q else 1024, peak, repeats))
+        r = rows[-1]
+        print(f"train  {dtype:8} {r['batch']} x {r['context']}: {r['ms']:8.1f} ms, {r['tokens_per_s']:,.0f} tok/s, "
+              f"MFU {100 * r['mfu']:.0f} %", flush=True)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(device=f"{device.platform} {device.device_kind}", quick=q, bandwidth=bw,
+                                   rows=rows), indent=1))
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
