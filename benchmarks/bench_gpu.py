@@ -5,8 +5,9 @@ slot active, each row holding `context` positions in its own pages of 16; batch 
 128 and 2,048; float32 and bfloat16 (weights and cache); gather and Pallas attention. A step's floor
 is the larger of its bytes over the memory bandwidth (the weights once, plus each row's keys and
 values) and its FLOPs over the matmul peak, both measured in the same run (a large copy; a large
-matmul in the step's dtype). Training: train.make_train_step, tokens/s and MFU against that peak.
-Every row prints time, floor and their ratio (1.0 is the roofline).
+matmul in the step's dtype). Steps per call: 16 decode steps as 16 calls read back by the host, or
+as one call of decode.decode_steps. Training: train.make_train_step, tokens/s and MFU against the
+peak. Decode rows print time, floor and their ratio (1.0 is the roofline).
 
     python benchmarks/bench_gpu.py            # on an H200: a few minutes
     python benchmarks/bench_gpu.py --quick    # a small model and short contexts, any backend (~1 min on CPU)
@@ -85,6 +86,29 @@ def decode_row(cfg, params, B, context, attention, peak, bw, repeats):
                 bound="memory" if (weight_bytes + kv_bytes) / bw >= flops / peak else "compute")
 
 
+def steps_row(cfg, params, B, context, n, repeats):
+    """n decode steps from `context`: n calls of decode_step, each read back by the host as the Batch
+    does, against one call of decode_steps -> ms per step each, and their ratio."""
+    W = pages_for(context + n, Z)
+    table_BxW = (1 + np.arange(B * W, dtype=np.int32)).reshape(B, W)
+    start = decode.Slots(np.ones(B, np.int32), np.full(B, context - 1, np.int32), np.ones(B, bool),
+                         np.arange(B, dtype=np.int32), table_BxW)
+    state = {"cache": init_cache(cfg, 1 + B * W, Z)}
+
+    def one_at_a_time():
+        slots = start
+        for _ in range(n):
+            slots, _, state["cache"] = decode.decode_step(params, cfg, state["cache"], slots)
+            np.asarray(slots.tokens_B)                     # the host reads each token
+    def all_at_once():
+        _, tokens, state["cache"] = decode.decode_steps(params, cfg, state["cache"], start, np.full(B, n, np.int32),
+                                                         np.zeros(cfg.vocab_size, bool), n)
+        np.asarray(tokens)
+    single, many = timed(one_at_a_time, repeats) / n, timed(all_at_once, repeats) / n
+    return dict(kind="steps", dtype=cfg.dtype, batch=B, context=context, n=n, ms_one_a_call=1e3 * single,
+                ms_n_a_call=1e3 * many, speedup=single / many)
+
+
 def train_row(cfg, params, batch_size, seq_len, peak, repeats):
     tcfg = tr.TrainConfig(steps=100, batch_size=batch_size, seq_len=seq_len)
     optimizer = tr.make_optimizer(tcfg)
@@ -132,6 +156,11 @@ def main():
                     r = rows[-1]
                     print(f"decode {dtype:8} {attention:6} B {B:3} context {context:5}: {r['ms']:8.3f} ms, "
                           f"floor {r['floor_ms']:7.3f} ms ({r['bound']}), ratio {r['ratio']:6.2f}", flush=True)
+        for B in (batches[0], batches[1]):
+            rows.append(steps_row(cfg, decode.unstack_layers(params), B, contexts[0], 16, repeats))
+            r = rows[-1]
+            print(f"steps  {dtype:8} B {B:3} context {r['context']:5}: {r['ms_one_a_call']:.3f} ms a step one "
+                  f"a call, {r['ms_n_a_call']:.3f} ms {r['n']} a call ({r['speedup']:.2f}x)", flush=True)
         rows.append(train_row(cfg, params, 4 if q else 32, 64 if q else 1024, peak, repeats))
         r = rows[-1]
         print(f"train  {dtype:8} {r['batch']} x {r['context']}: {r['ms']:8.1f} ms, {r['tokens_per_s']:,.0f} tok/s, "

@@ -119,6 +119,8 @@ class Batch:
         self.params, self.cfg = decode.unstack_layers(params), cfg     # a list of layers: read in place
         self.page_size, self.max_len = page_size, max_len
         self.stop_tokens, self.pause_tokens = frozenset(stop_tokens), frozenset(pause_tokens)
+        self._ends_V = np.zeros(cfg.vocab_size, bool)               # for decode_steps: where a stretch ends
+        self._ends_V[[t for t in self.stop_tokens | self.pause_tokens if 0 <= t < cfg.vocab_size]] = True
         self.use_cache, self.seed, self.keep_logits = cache, seed, keep_logits
         self.temperature, self.top_k, self.attention = float(temperature), int(top_k), attention
         self.prefill_rows = min(prefill_rows, slots // D)          # more rows than slots would all be padding
@@ -215,6 +217,48 @@ class Batch:
 
     def step(self):
         """Prefill what newly admitted sequences hold, then one decode step -> {id: token sampled}."""
+        running = self._start()
+        return self._decode(running) if running else {}
+
+    def steps(self, n):
+        """Up to n tokens for each running sequence in one device call -> {id: [tokens sampled]}.
+
+        Each sequence samples what n calls of step() would give it (its stretch may end sooner), with
+        one trip to the host instead of n (decode.decode_steps). A token mask needs the host at every
+        token, so while a masked sequence runs (or with keep_logits) this is n calls of step().
+        """
+        running = self._start()
+        if not running:
+            return {}
+        if any(s.mask is not None for s in running) or self.keep_logits:
+            out = {i: [t] for i, t in self._decode(running).items()}
+            for _ in range(n - 1):
+                try:
+                    more = self.step()
+                except Stuck:                         # the next call says so
+                    break
+                for i, t in more.items():
+                    out.setdefault(i, []).append(t)
+            return out
+        W = self._width(max(s.cached + min(n, s.limit) for s in running))
+        state = dataclasses.replace(self.state, page_table_BxW=self.state.page_table_BxW[:, :W])
+        left_B = np.zeros(len(self._in_slot), np.int32)
+        for s in running:
+            left_B[s.slot] = s.limit
+        later, tokens_NxB, self.kv = self._run(decode.decode_steps, state, left_B, self._ends_V, n,
+                                               self.temperature, self.top_k, self.attention)
+        tokens_NxB = np.asarray(tokens_NxB)           # the one device -> host sync of the n steps
+        self.state.tokens_B[:] = later.tokens_B
+        self.state.lengths_B[:] = later.lengths_B
+        out = {}
+        for seq in running:
+            out[seq.id] = [int(t) for t in tokens_NxB[:, seq.slot] if t >= 0]
+            for token in out[seq.id]:
+                self._took(seq, token)
+        return out
+
+    def _start(self):
+        """Admit what can be, prefill it, seat it -> the running sequences (none: raise Stuck, or [])."""
         admitted, short_of_pages = self._admit()
         running = [self.seqs[i] for i in self._in_slot if i is not None and self.seqs[i].status == "running"]
         if not running:
@@ -225,11 +269,11 @@ class Batch:
             if self._queue:
                 raise Stuck(f"sequences {self._queue} wait for a slot and every slot holds a paused, "
                             f"stopped or length-limited sequence: finish some")
-            return {}
+            return []
         self._prefill(admitted)
         for seq in admitted:
             self._seat(seq)
-        return self._decode(running)
+        return running
 
     def warmup(self, masked=False):
         """Compile every shape the steps can use (prefill: bucket x width; decode: width) on idle rows.
@@ -387,19 +431,23 @@ class Batch:
         out = {}
         for seq in running:
             token = out[seq.id] = int(self.state.tokens_B[seq.slot])
-            seq.positions += 1
-            seq.tokens.append(token)
-            seq.pending = [token]
-            seq.limit -= 1
             if self.keep_logits:
                 seq.logits.append(logits_BxV[seq.slot])
-            if token in self.pause_tokens:
-                self._end_stretch(seq, "paused")
-            elif token in self.stop_tokens:
-                self._end_stretch(seq, "stopped")
-            elif seq.limit == 0:
-                self._end_stretch(seq, "length")
+            self._took(seq, token)
         return out
+
+    def _took(self, seq, token):
+        """A token the sequence sampled: append it; a pause or stop token, or the limit, ends the stretch."""
+        seq.positions += 1
+        seq.tokens.append(token)
+        seq.pending = [token]
+        seq.limit -= 1
+        if token in self.pause_tokens:
+            self._end_stretch(seq, "paused")
+        elif token in self.stop_tokens:
+            self._end_stretch(seq, "stopped")
+        elif seq.limit == 0:
+            self._end_stretch(seq, "length")
 
     def _end_stretch(self, seq, status):
         """Keep the slot and the pages holding positions; give back the reserved pages left empty."""

@@ -222,6 +222,30 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     return later, logits_BxV, cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0, attention="gather"):
+    """n decode steps in one call, no trip to the host between them -> (slots, tokens_NxB, cache).
+
+    A slot's pause bit goes off once it samples an end token (ends_V: bool [V], the stop and
+    pause tokens) or has sampled left_B[b] tokens, as the host would do after a step: the same
+    tokens as n calls of decode_step. tokens_NxB[i, b] is what slot b sampled at step i, -1 once
+    it had stopped. The page table must hold every position the n steps can write.
+    """
+    TRACES["decode_steps", n, slots.page_table_BxW.shape] += 1
+
+    def one(carry, _):
+        slots, left_B, cache = carry
+        went_B = slots.active_B
+        later, _, cache = decode_step(params, cfg, cache, slots, temperature, top_k, None, attention)
+        left_B = left_B - went_B
+        ended_B = ends_V[later.tokens_B] | (left_B <= 0)
+        later = dataclasses.replace(later, active_B=went_B & ~ended_B)
+        return (later, left_B, cache), jnp.where(went_B, later.tokens_B, -1)
+    (slots, _, cache), tokens_NxB = jax.lax.scan(one, (slots, left_B, cache), length=n)
+    return slots, tokens_NxB, cache
+
+
 # ---------------------------------------------------------------- the same steps over a mesh of devices
 #
 # A Batch on a mesh (one axis, "data", of D devices) splits its slots into D blocks and its page
@@ -258,4 +282,21 @@ def decode_step_on(mesh, params, cfg, cache, slots, temperature=0.0, top_k=0, al
                          out_specs=(ROWS, ROWS, PAGES))(params, cache, slots, allowed_BxV)
 
 
-ON_MESH = {prefill_step: prefill_step_on, decode_step: decode_step_on}
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg", "n", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_steps_on(mesh, params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0,
+                    attention="gather"):
+    """decode_steps with slots and pages split over `mesh`."""
+    def part(params, cache, slots, left_B, ends_V):
+        P = cache["k"].shape[2]
+        local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
+        later, tokens_NxB, cache = decode_steps(params, cfg, cache, local, left_B, ends_V, n, temperature, top_k,
+                                                attention)
+        return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), tokens_NxB, cache
+    whole = jax.sharding.PartitionSpec()
+    return jax.shard_map(part, mesh=mesh, in_specs=(whole, PAGES, ROWS, ROWS, whole),
+                         out_specs=(ROWS, jax.sharding.PartitionSpec(None, "data"), PAGES))(
+                             params, cache, slots, left_B, ends_V)
+
+
+ON_MESH = {prefill_step: prefill_step_on, decode_step: decode_step_on, decode_steps: decode_steps_on}

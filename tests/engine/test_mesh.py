@@ -110,8 +110,9 @@ def test_two_processes_train_together_as_one():
     assert max(abs(a - b) for a, b in zip(both[0], one)) <= 1e-5, (both, one)
 
 
-def serve(mesh, seed, slots=8):
-    """12 sequences through a Batch of `slots` slots (temperature 1): random prompts and limits; each
+def serve(mesh, seed, slots=8, n=1):
+    """12 sequences through a Batch of `slots` slots (temperature 1), n decode steps a call (step() or
+    steps(n)): random prompts and limits; each
     time one pauses, stops or reaches its limit, it is sent new tokens (up to 3 times; every third
     time parked first), then finished. What is sent depends on the sequence only, never on the
     schedule. Checks on the way that each sequence's pages lie on one device, and at the end that
@@ -147,11 +148,20 @@ def serve(mesh, seed, slots=8):
                     batch.finish(i)
         if not batch.running():
             break
-        batch.step()
+        batch.step() if n == 1 else batch.steps(n)
         for seq in batch.seqs.values():
             assert len({batch.pool.device_of(p) for p in seq.pages}) <= 1, seq
     assert [len(f) for f in batch.pool.free] == [batch.pool.n_pages - 1] * D, "leaked pages"
     return [batch.seqs[i].tokens for i in ids], pauses, parks
+
+
+@slow
+def test_several_steps_a_call_give_the_tokens_of_one_step_a_call():
+    """Batch.steps(n): n decode steps in one device call (pause, stop and limit checked on the device),
+    the caller acting only between calls: each sequence gets the tokens it gets one step a call."""
+    plain, pauses, parks = serve(None, 1)
+    assert serve(None, 1, n=5)[0] == plain
+    assert pauses > 0 and parks > 0
 
 
 @slow
@@ -174,6 +184,8 @@ def test_a_batch_split_over_8_devices_gives_the_single_device_tokens():
             for slots in (8, 16):
                 one, many = serve(None, seed, slots), serve(mesh, seed, slots)
                 out.append([one == many, one[1], one[2]])
+        one, many = serve(None, 0, 16), serve(mesh, 0, 16, n=4)         # and several steps a call
+        out.append([one[0] == many[0], 0, 0])
         print(json.dumps(out))
     """)))
     assert all(same for same, _, _ in got), got

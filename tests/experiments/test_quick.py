@@ -289,5 +289,7 @@ def test_bench_gpu_quick(tmp_path):
                                                               for a in ("gather", "pallas")}
     assert all(r["ms"] > 0 and 0 < r["floor_ms"] and r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"])
                for r in decode)
+    steps = [r for r in got["rows"] if r["kind"] == "steps"]
+    assert len(steps) == 4 and all(r["ms_one_a_call"] > 0 and r["ms_n_a_call"] > 0 for r in steps)
     train_rows = [r for r in got["rows"] if r["kind"] == "train"]
     assert len(train_rows) == 2 and all(0 < r["mfu"] and r["tokens_per_s"] > 0 for r in train_rows)
