@@ -94,6 +94,8 @@ class Batch:
 
     cache_dtype: the K/V pool's; default cfg.dtype on a GPU, float32 elsewhere (XLA on CPU
     would convert a bfloat16 pool to float32 and back in every layer of every step).
+    per_layer: the weights as one dict per layer (each read where it lies; on CPU, the default)
+    or stacked [L, ...] arrays, scanned (a few arguments a call instead of 9 a layer; elsewhere).
 
     mesh: a one-axis ("data") mesh of D devices to split the slots over (slots / D each),
     each device with its own n_pages pages and null page, and prefill_rows rows a call
@@ -102,7 +104,7 @@ class Batch:
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
-                 buckets=(16, 64, 256, 1024), attention="gather", cache_dtype=None, mesh=None, keep_logits=False):
+                 buckets=(16, 64, 256, 1024), attention="gather", cache_dtype=None, per_layer=None, mesh=None, keep_logits=False):
         for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
                                    ("max_len", max_len, 2), ("top_k", top_k, 0), ("prefill_rows", prefill_rows, 1)):
             if not _is_int(value) or value < least:
@@ -116,7 +118,10 @@ class Batch:
         D = 1 if mesh is None else mesh.size
         if mesh is not None and (mesh.axis_names != ("data",) or slots % D):
             raise ValueError(f"mesh {dict(mesh.shape)} for {slots} slots: one axis, 'data', dividing the slots")
-        self.params, self.cfg = decode.unstack_layers(params), cfg     # a list of layers: read in place
+        per_layer = jax.default_backend() == "cpu" if per_layer is None else per_layer
+        if per_layer:
+            params = decode.unstack_layers(params)     # a list of layers, read in place (decode.unstack_layers)
+        self.params, self.cfg = params, cfg
         self.page_size, self.max_len = page_size, max_len
         self.stop_tokens, self.pause_tokens = frozenset(stop_tokens), frozenset(pause_tokens)
         self._ends_V = np.zeros(cfg.vocab_size, bool)               # for decode_steps: where a stretch ends

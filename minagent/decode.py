@@ -149,11 +149,13 @@ def paged_attention(q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, length_B):
 
 def unstack_layers(params):
     """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params with
-    "layers" a list of L per-layer dicts. The Batch does this once; extend accepts both layouts.
+    "layers" a list of L per-layer dicts. The Batch does this once on CPU; extend accepts both layouts.
 
     Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at
     every step, and on CPU that slice is a copy. Separate arrays are read where they lie. The
-    price: the step is traced layer by layer, so a deep model compiles more slowly.
+    price: the step is traced layer by layer, so a deep model compiles more slowly, and every
+    call passes 9 arrays a layer (SmolLM2: 270), whose dispatch a fast GPU step would feel; so
+    off a CPU the Batch keeps the weights stacked (Batch's per_layer).
     """
     layers = params["layers"]
     if isinstance(layers, list):

@@ -72,12 +72,14 @@ def test_paused_and_resumed_equals_prompted_whole(temperature):
     assert batch.seqs[a].positions == len(batch.seqs[a].tokens) - 1 == batch.seqs[b].positions
 
 
-@pytest.mark.parametrize("attention", ["gather", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_batch_equals_forward(attention):
+@pytest.mark.parametrize("attention, per_layer", [("gather", True), pytest.param("gather", False, marks=pytest.mark.slow),
+                                                   pytest.param("pallas", True, marks=pytest.mark.slow)])
+def test_batch_equals_forward(attention, per_layer):
     """Sequences of many lengths, chunked prefills, a queue, growing decode widths: logits == forward's
-    (with either attention in the decode step; Pallas in interpret mode off a GPU)."""
+    (either attention in the decode step, Pallas in interpret mode off a GPU; weights per layer or stacked)."""
     batch = Batch(PARAMS, CFG, slots=3, n_pages=40, page_size=4, max_len=64, buckets=(4, 16), prefill_rows=2,
-                  attention=attention, keep_logits=True)
+                  attention=attention, per_layer=per_layer, keep_logits=True)
+    assert isinstance(batch.params["layers"], list) == per_layer
     prompts = [[7], [5, 6, 7, 8, 9], list(range(1, 18)), [(3 * j) % V for j in range(40)]]
     ids = [batch.add(p, 12) for p in prompts]
     while batch.running():
