@@ -63,11 +63,13 @@ def test_data_parallel_and_fsdp_give_the_single_device_losses():
         mesh = train.data_mesh()
         assert mesh.size == 8
         shard = train.placement(model.init(jax.random.PRNGKey(0), CFG), mesh, "fsdp")["layers"]["wq"].spec
-        print(json.dumps({"spec": list(shard), **{f"{kind} {how}": losses(mesh if how != "single" else None, how
+        explicit = jax.make_mesh((8,), ("data",))           # "explicit" axes: taken as automatic ones
+        print(json.dumps({"spec": list(shard), "full explicit": losses(explicit), **{f"{kind} {how}": losses(mesh if how != "single" else None, how
                           if how != "single" else "data", kind == "lora")
                           for kind in ("full", "lora") for how in ("single", "data", "fsdp")}}))
     """))
     assert got.pop("spec") == [None, "data", None]        # wq [L, D, NH] = [2, 32, 32]: D first of the largest
+    assert max(abs(a - b) for a, b in zip(got.pop("full explicit"), got["full single"])) <= 1e-5
     for kind in ("full", "lora"):
         single = got[f"{kind} single"]
         assert len(single) == 5 and single[-1] < single[0]
