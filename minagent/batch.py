@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from minagent import decode
+from minagent import decode, sharded
 from minagent.cache import NULL_PAGE, PagePool, init_cache, pages_for
 
 ADVANCING = ("queued", "running")           # statuses in which a sequence advances without the caller
@@ -99,7 +99,7 @@ class Batch:
 
     mesh: a one-axis ("data") mesh of D devices to split the slots over (slots / D each),
     each device with its own n_pages pages and null page, and prefill_rows rows a call
-    (decode.prefill_step_on). A sequence stays on the device that holds its pages.
+    (sharded.py). A sequence stays on the device that holds its pages.
     """
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
@@ -135,8 +135,8 @@ class Batch:
         cache_dtype = cache_dtype or (cfg.dtype if jax.default_backend() == "gpu" else "float32")
         self.kv = init_cache(cfg, n_pages * D, page_size, cache_dtype)   # {"k", "v"}: [L, K, P, Z, H]
         if mesh is not None:                                        # device d holds pages d * P ... (d + 1) * P - 1
-            self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(mesh, decode.PAGES))
-            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(mesh, sharded.PAGES))
+            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, sharded.WHOLE))
         W = pages_for(max_len, page_size)
         self.state = decode.Slots.idle(slots, W)                    # the decode step's input, kept on the host
         # A step reads every page in its table's width, so it gets only as many columns as its longest
@@ -391,7 +391,7 @@ class Batch:
         if self.mesh is None:
             out = fn(self.params, self.cfg, self.kv, *args)
         else:
-            out = decode.ON_MESH[fn](self.mesh, self.params, self.cfg, self.kv, *args)
+            out = sharded.ON_MESH[fn](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before
         return out
 
