@@ -104,7 +104,8 @@ class Batch:
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
                  pause_tokens=(), cache=True, temperature=0.0, top_k=0, seed=0, prefill_rows=4,
-                 buckets=(16, 64, 256, 1024), attention="gather", cache_dtype=None, per_layer=None, mesh=None, keep_logits=False):
+                 buckets=(16, 64, 256, 1024), attention="gather", cache_dtype=None, per_layer=None, mesh=None,
+                 keep_logits=False):
         for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
                                    ("max_len", max_len, 2), ("top_k", top_k, 0), ("prefill_rows", prefill_rows, 1)):
             if not _is_int(value) or value < least:
@@ -232,7 +233,10 @@ class Batch:
         Each sequence samples what n calls of step() would give it (its stretch may end sooner), with
         one trip to the host instead of n (decode.decode_steps). A token mask needs the host at every
         token, so while a masked sequence runs (or with keep_logits) this is n calls of step().
+        Each n (and page-table width) compiles once, on first use.
         """
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"n={n!r}: the steps a call, an integer >= 1")
         running = self._start()
         if not running:
             return {}

@@ -29,6 +29,12 @@ def test_batch_settings(kw, name):
         Batch(PARAMS, CFG, **kw)
 
 
+@pytest.mark.parametrize("n", [0, -2, 2.5, True])
+def test_steps_a_call(n):
+    with pytest.raises(ValueError, match=f"n={n!r}: the steps a call"):
+        Batch(PARAMS, CFG, slots=1, n_pages=8, page_size=4, max_len=64).steps(n)
+
+
 @pytest.mark.parametrize("tokens, limit, message", [
     ([1, 7.9], 4, r"token ids \[7.9\] are not integers"),      # stored as 7.9, pushed as 7: refused
     ([1, -1], 4, r"token ids \[-1\]"), ([1, 40], 4, r"token ids \[40\]"), ([True], 4, r"token ids \[True\]"),
