@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minagent import chat, decode, model, tokenizer, weights  # noqa: E402
+from minagent import chat, decode, model, tokenfile, weights  # noqa: E402
 from minagent.batch import Batch  # noqa: E402
 from minagent.cache import pages_for  # noqa: E402
 
@@ -173,7 +173,7 @@ def overhead_line(overhead):
 
 def minagent_only(args, params, cfg, path):
     """--no-ref: minagent's side of each row and the host overhead, printed; nothing to compare with."""
-    tok = tokenizer.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
+    tok = tokenfile.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
     prompt = chat.encode(tok, chat.prompt(chat.CHATML, QUESTION, system=SMOLLM_SYSTEM))
     for B in args.batches:
         compiles = minagent_run(params, cfg, prompt, B, args.new)[-1]      # warm-up: compiles

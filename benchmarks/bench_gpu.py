@@ -6,7 +6,7 @@ slot active, each row holding `context` positions in its own pages of 16; batch 
 is the larger of its bytes over the memory bandwidth (the weights once, plus each row's keys and
 values) and its FLOPs over the matmul peak, both measured in the same run (a large copy; a large
 matmul in the step's dtype). Steps per call: 16 decode steps as 16 calls read back by the host, or
-as one call of decode.decode_steps. Training: train.make_train_step, tokens/s and MFU against the
+as one call of devices.decode_steps. Training: train.make_train_step, tokens/s and MFU against the
 peak. Decode rows print time, floor and their ratio (1.0 is the roofline).
 
     python benchmarks/bench_gpu.py            # on an H200: a few minutes
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minagent import decode, model
+from minagent import decode, devices, model
 from minagent import train as tr
 from minagent.cache import init_cache, pages_for
 
@@ -101,7 +101,7 @@ def steps_row(cfg, params, B, context, n, repeats):
             slots, _, state["cache"] = decode.decode_step(params, cfg, state["cache"], slots)
             np.asarray(slots.tokens_B)                     # the host reads each token
     def all_at_once():
-        _, tokens, state["cache"] = decode.decode_steps(params, cfg, state["cache"], start, np.full(B, n, np.int32),
+        _, tokens, state["cache"] = devices.decode_steps(params, cfg, state["cache"], start, np.full(B, n, np.int32),
                                                          np.zeros(cfg.vocab_size, bool), n)
         np.asarray(tokens)
     single, many = timed(one_at_a_time, repeats) / n, timed(all_at_once, repeats) / n

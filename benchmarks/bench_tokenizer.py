@@ -36,7 +36,7 @@ def bench_minagent(lines):
     t0 = time.perf_counter()
     n_tokens = sum(len(tok.encode_ordinary(line)) for line in lines)
     encode_s = time.perf_counter() - t0
-    merges = [f"{tk._to_str(tok.pieces[a])} {tk._to_str(tok.pieces[b])}" for a, b in tok.merges]
+    merges = [f"{tk.to_str(tok.pieces[a])} {tk.to_str(tok.pieces[b])}" for a, b in tok.merges]
     return dict(train_s=train_s, encode_s=encode_s, n_tokens=n_tokens, merges=merges)
 
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_tools.py              # about 1 minute on 2 CPU cores
     python benchmarks/bench_tools.py --quick      # 16 episodes, a few seconds
 
-Each episode runs on a rote model (minagent/rote.py) that calls a tool at once and again
+Each episode runs on a rote model (minagent/tasks/rote.py) that calls a tool at once and again
 after each result, `--calls` times; each call sleeps 50 to 200 ms (a network call, a
 database), drawn per call from a seeded stream, the same draws in both runs. Inline
 (agent.run(..., workers=0)) every call holds the whole batch; beside the batch (the default,
@@ -16,8 +16,9 @@ import json
 import random
 import time
 
-from minagent import agent, chat, rote
+from minagent import agent, chat
 from minagent import tokenizer as tk
+from minagent.tasks import rote
 
 FMT = chat.MINAGENT
 

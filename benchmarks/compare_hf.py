@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minagent import model, tokenizer, weights
+from minagent import model, tokenfile, weights
 
 PROMPTS = {
     "chatml": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -48,7 +48,7 @@ def main():
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf.eval()
     params, cfg = weights.load_params(path)
-    tok = tokenizer.from_gguf(path)
+    tok = tokenfile.from_gguf(path)
     print(f"loaded both in {time.time() - t0:.1f} s")
     hf_cfg = hf.config
     print(f"transformers: rms_norm_eps {hf_cfg.rms_norm_eps}, rope_theta "

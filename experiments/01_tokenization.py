@@ -21,6 +21,7 @@ import sys
 import time
 
 import common
+from minagent import tokenfile
 from minagent import tokenizer as tk
 from minagent import weights
 from minagent.tasks.context import counting
@@ -48,11 +49,11 @@ def number_pieces(tok, text):
 def cached_bpe(path, title, train, retrain):
     """-> (tokenizer, title): loaded from `path` (git-ignored) if there, else train() and saved there."""
     if path.exists() and not retrain:
-        return tk.load(path), f"{title} (cached {path.name})"
+        return tokenfile.load(path), f"{title} (cached {path.name})"
     t0 = time.time()
     tok = train()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tk.save(tok, path)
+    tokenfile.save(tok, path)
     return tok, f"{title} (trained in {time.time() - t0:.1f} s)"
 
 
@@ -132,7 +133,7 @@ def main():
     tokenizers = {"minagent": get_minagent_bpe(args)}
     gguf_path = weights.smollm2_path()
     if gguf_path.exists():
-        tokenizers["smollm2"] = (tk.from_gguf(gguf_path), "SmolLM2-135M-Instruct (GGUF)")
+        tokenizers["smollm2"] = (tokenfile.from_gguf(gguf_path), "SmolLM2-135M-Instruct (GGUF)")
     else:
         print(f"(SmolLM2 column skipped: {gguf_path} not found; `python -m minagent.weights fetch`)\n")
     multilingual = get_multilingual_bpe(args)

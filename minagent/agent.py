@@ -23,12 +23,11 @@ go on. A tool that raises, hangs or answers something else than text gives its
 episode an `error: ...` result, and no other episode notices.
 Budgets per episode: at most 8 calls, at most 40 tokens written in one stretch.
 
-An episode keeps its history (chat.Messages): the question, what the model
-wrote and each result. After a result the loop sends view(history, count): the
-whole history, or what an application makes of it within a budget (count(m):
-the tokens message m is sent as). Batch.send keeps the cache of the part the
-new view shares with the old. A layer overrides serve() and end()
-(tasks/context/subagents.py). See docs/DESIGN.md, "The agent loop".
+An episode keeps its history (chat.Messages). After a result the loop sends
+view(history, count): the whole history, or what an application fits into a budget
+(count(m): the tokens message m is sent as); Batch.send keeps the cached prefix. A
+layer overrides serve() and end() (tasks/context/subagents.py). docs/DESIGN.md,
+"The agent loop".
 """
 
 import concurrent.futures
@@ -109,9 +108,8 @@ def new_batch(params, cfg, tok, fmt, *, slots=32, max_len=512, page_size=16, hol
 
 
 class Loop:
-    """Episodes in one batch. start() each, then run() until all have ended; each ends with a Record.
-    Each call runs in one of `workers` threads, `timeout` seconds at most, while the batch steps the
-    other episodes. With workers=0 the batch waits for each call, as if the loop ran it (to compare)."""
+    """Episodes in one batch: start() each, then run() until each has its Record. A call runs in one
+    of `workers` threads, `timeout` s at most, beside the batch (workers=0: inline, to compare)."""
 
     def __init__(self, batch, tok, fmt, *, view=whole, max_calls=MAX_CALLS, max_stretch=MAX_STRETCH,
                  workers=WORKERS, timeout=TIMEOUT):
@@ -246,10 +244,8 @@ def run(batch, tok, fmt, prompts, toolboxes, *, system=None, view=whole, max_cal
         max_stretch=MAX_STRETCH, workers=WORKERS, timeout=TIMEOUT):
     """One episode per prompt, toolboxes[i] serving prompt i's calls -> [Record], in the prompts' order.
 
-    A prompt is a question (str; it opens with `system` if given) or a chat.Segment the program
-    writes. A toolbox is any callable, call text -> result text; it runs in one of `workers`
-    threads, `timeout` seconds at most. view(history, count) -> the messages to send after each
-    result (see the module doc).
+    A prompt is a question (str; opened with `system` if given) or a chat.Segment the program
+    writes. A toolbox is any callable, call text -> result text, run as Loop says; view: see above.
     """
     if len(prompts) != len(toolboxes):
         raise ValueError(f"{len(prompts)} prompts but {len(toolboxes)} toolboxes: one toolbox per episode")

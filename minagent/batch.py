@@ -17,28 +17,16 @@ Each sequence is a small state machine:
 A paused sequence keeps its slot and its pages but no longer goes through the
 model: its pause-mask bit (Slots.active_B) is off.
 
-Pending tokens. Each sequence keeps `pending`, the tail of its tokens whose K/V
-is not in the cache yet. A running sequence always has at least one: the last
-token, which the next decode step pushes to sample the one after it. The
-subtle case: a sampled `<|result|>` is pending when the sequence pauses, so on
-resume it enters the cache together with the appended tokens:
-pending = [<|result|>] + tool result + [<|assistant|>].
+Pending tokens: the tail of a sequence's tokens whose K/V is not in the cache yet.
+A running sequence always has one, the last token, which the next decode step pushes.
+The subtle case: a sampled `<|result|>` is pending when the sequence pauses, so on
+resume it enters the cache with the appended tokens: [<|result|>] + result + [<|assistant|>].
 
-step() prefills pending[:-1] of each newly admitted sequence (rows of T tokens, T
-from a few length buckets), then runs one decode step over all B slots.
-
-send(id, tokens, limit) gives a waiting sequence its next token list. K/V at a
-position depends only on the tokens up to it (attention is causal), so the
-cache of the longest common prefix of the old and new tokens stays, and only
-the rest is pushed: a prefix cache. A resume is the case where the new tokens
-extend the old ones, and everything cached stays. With cache=False every
-position is pushed again, as in an engine without a KV cache.
-
-Pages: admission reserves pages for every position the stretch can write (its
-length + limit - 1), and a stretch that ends gives back the pages it did not
-fill. So a paused-and-resumed sequence holds exactly as many pages as the same
-text given whole as a prompt. park() gives back a waiting sequence's slot but
-keeps its pages, for one that will wait long; the next send queues it again.
+send() keeps the cache of the longest common prefix of the old and new tokens (K/V at
+a position depends only on the tokens up to it); a resume is the case where that is
+everything. Admission reserves pages for all the stretch can write, and a stretch that
+ends gives back what it did not fill: a paused-and-resumed sequence holds as many pages
+as the same text given whole. (docs/DESIGN.md: "The pause mask", "Prefix reuse".)
 """
 
 import dataclasses
@@ -46,7 +34,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from minagent import decode, sharded
+from minagent import decode, devices
 from minagent.cache import NULL_PAGE, PagePool, init_cache, pages_for
 
 ADVANCING = ("queued", "running")           # statuses in which a sequence advances without the caller
@@ -89,17 +77,11 @@ class Batch:
     temperature == 0, else temperature and top_k (0: all tokens), one stream per sequence.
     cache=False pushes a sequence's whole token list again at every send (for comparison).
     prefill_rows and buckets fix the prefill shapes (rows x T tokens, T from buckets).
-    attention: the decode step's, "gather" or "pallas" (decode.extend). keep_logits
-    records each sampled token's logits (tests).
-
-    cache_dtype: the K/V pool's; default cfg.dtype on a GPU, float32 elsewhere (XLA on CPU
-    would convert a bfloat16 pool to float32 and back in every layer of every step).
-    per_layer: the weights as one dict per layer (each read where it lies; on CPU, the default)
-    or stacked [L, ...] arrays, scanned (a few arguments a call instead of 9 a layer; elsewhere).
-
-    mesh: a one-axis ("data") mesh of D devices to split the slots over (slots / D each),
-    each device with its own n_pages pages and null page, and prefill_rows rows a call
-    (sharded.py). A sequence stays on the device that holds its pages.
+    keep_logits records each sampled token's logits (tests). For GPUs and meshes
+    (docs/DESIGN.md, "Several devices"): attention "gather" or "pallas" (decode.extend);
+    cache_dtype (default cfg.dtype on a GPU, float32 elsewhere: XLA on CPU would convert
+    a bfloat16 pool every layer); per_layer weights (the default on CPU) or stacked; mesh,
+    one "data" axis of D devices, each with slots / D slots and its own n_pages pages.
     """
 
     def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
@@ -136,8 +118,8 @@ class Batch:
         cache_dtype = cache_dtype or (cfg.dtype if jax.default_backend() == "gpu" else "float32")
         self.kv = init_cache(cfg, n_pages * D, page_size, cache_dtype)   # {"k", "v"}: [L, K, P, Z, H]
         if mesh is not None:                                        # device d holds pages d * P ... (d + 1) * P - 1
-            self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(mesh, sharded.PAGES))
-            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, sharded.WHOLE))
+            self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(mesh, devices.PAGES))
+            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(mesh, devices.WHOLE))
         W = pages_for(max_len, page_size)
         self.state = decode.Slots.idle(slots, W)                    # the decode step's input, kept on the host
         # A step reads every page in its table's width, so it gets only as many columns as its longest
@@ -228,41 +210,27 @@ class Batch:
         return self._decode(running) if running else {}
 
     def steps(self, n):
-        """Up to n tokens for each running sequence in one device call -> {id: [tokens sampled]}.
-
-        Each sequence samples what n calls of step() would give it (its stretch may end sooner), with
-        one trip to the host instead of n (decode.decode_steps). A token mask needs the host at every
-        token, so while a masked sequence runs (or with keep_logits) this is n calls of step().
-        Each n (and page-table width) compiles once, on first use.
+        """Up to n tokens for each running sequence in one device call -> {id: [tokens sampled]}:
+        what n calls of step() would give it, with one trip to the host instead of n
+        (devices.decode_steps). A token mask needs the host at each token, so while a masked
+        sequence runs (or with keep_logits) this takes one step. Each n compiles on first use.
         """
         if not _is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: the steps a call, an integer >= 1")
         running = self._start()
-        if not running:
-            return {}
-        if any(s.mask is not None for s in running) or self.keep_logits:
-            out = {i: [t] for i, t in self._decode(running).items()}
-            for _ in range(n - 1):
-                try:
-                    more = self.step()
-                except Stuck:                         # the next call says so
-                    break
-                for i, t in more.items():
-                    out.setdefault(i, []).append(t)
-            return out
+        if not running or any(s.mask is not None for s in running) or self.keep_logits:
+            return {i: [t] for i, t in (self._decode(running) if running else {}).items()}
         W = self._width(max(s.cached + min(n, s.limit) for s in running))
         state = dataclasses.replace(self.state, page_table_BxW=self.state.page_table_BxW[:, :W])
-        left_B = np.zeros(len(self._in_slot), np.int32)
+        left_B = np.zeros(len(self._in_slot), np.int32)                # tokens each may still sample
         for s in running:
             left_B[s.slot] = s.limit
-        later, tokens_NxB, self.kv = self._run(decode.decode_steps, state, left_B, self._ends_V, n,
+        later, tokens_NxB, self.kv = self._run(devices.decode_steps, state, left_B, self._ends_V, n,
                                                self.temperature, self.top_k, self.attention)
         tokens_NxB = np.asarray(tokens_NxB)           # the one device -> host sync of the n steps
-        self.state.tokens_B[:] = later.tokens_B
-        self.state.lengths_B[:] = later.lengths_B
-        out = {}
+        self.state.tokens_B[:], self.state.lengths_B[:] = later.tokens_B, later.lengths_B
+        out = {seq.id: [int(t) for t in tokens_NxB[:, seq.slot] if t >= 0] for seq in running}
         for seq in running:
-            out[seq.id] = [int(t) for t in tokens_NxB[:, seq.slot] if t >= 0]
             for token in out[seq.id]:
                 self._took(seq, token)
         return out
@@ -395,7 +363,7 @@ class Batch:
         if self.mesh is None:
             out = fn(self.params, self.cfg, self.kv, *args)
         else:
-            out = sharded.ON_MESH[fn](self.mesh, self.params, self.cfg, self.kv, *args)
+            out = devices.ON_MESH[fn](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before
         return out
 

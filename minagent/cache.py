@@ -6,16 +6,12 @@ position p to page `table[p // Z]`, offset `p % Z`:
 
     page_size Z = 4, pages [7, 2]  ->  positions 0-3 in page 7, 4-7 in page 2
 
-Why pages rather than one [B, max_len] slab per slot? A slab reserves max_len
-positions for every slot whatever its length; pages are handed out as a
-sequence grows and given back when it finishes, so short and long sequences
-share the memory. Shapes still never change: P, Z and the table width W are
-fixed, so the jitted steps compile once.
-
-Page 0 is a null page that no sequence owns. Unused page-table entries point
-to it, and writes that must go nowhere (padding, paused or free slots) land in
-it. Its contents are garbage by design; the decode step masks them out.
-Shape letters: docs/DESIGN.md, "Shape legend".
+Why pages rather than a [B, max_len] slab per slot? A slab reserves max_len positions
+for every slot; pages are handed out as a sequence grows and given back when it ends,
+so short and long sequences share the memory, and the shapes (P, Z, the table width W)
+never change. Page 0 is a null page that no sequence owns: unused table entries point
+to it, writes that must go nowhere land in it, and the decode step masks its garbage
+out. Shape letters: docs/DESIGN.md, "Shape legend".
 """
 
 import jax.numpy as jnp
@@ -27,7 +23,7 @@ def init_cache(cfg, n_pages, page_size, dtype=None):
     """-> {"k": [L, K, P, Z, H], "v": [L, K, P, Z, H]}, zeros in `dtype` (default cfg.dtype). Page 0 is null.
 
     The kv heads come before the pages: one head's pages are one block of memory, the layout
-    paged-attention kernels read (decode.paged_attention).
+    paged-attention kernels read (devices.paged_attention).
     """
     if n_pages < 2:
         raise ValueError(f"n_pages={n_pages}: need at least 2 (page 0 is the null page)")
@@ -48,12 +44,10 @@ class OutOfPages(RuntimeError):
 class PagePool:
     """Host-side free lists with reference counts, for `devices` devices of n_pages pages each.
 
-    A page is free when its count is 0. `alloc` hands out pages with count 1;
-    `retain` adds an owner (two sequences sharing a prompt prefix could both
-    point at the same pages); `release` drops one owner and frees the page when
-    none is left. Page ids are global: device d holds pages d * n_pages to
-    d * n_pages + n_pages - 1, the first of them its null page, never handed out.
-    On one device (the usual case) that is pages 0 to n_pages - 1, page 0 null.
+    A page is free at count 0. `alloc` hands out pages with count 1, `retain` adds an owner
+    (sequences sharing a prefix), `release` drops one and frees the page at 0. Page ids are
+    global: device d holds d * n_pages ... d * n_pages + n_pages - 1, the first its null page
+    (never handed out); on one device, pages 0 to n_pages - 1.
     """
 
     def __init__(self, n_pages, devices=1):

@@ -10,10 +10,9 @@ format:
     PROGRAM  8728<|assistant|>
     MODEL    8728<|end|>
 
-No spaces are added around special tokens. (The documents print spaces between
-them only so they are easier to read.) A space after `<|call|>` would be one
-more token for the model to learn. It would also change how the text after it
-is split: for a GPT-2-style BPE, "add" and " add" are different pieces.
+No spaces around special tokens (the documents print them only to be read): a space
+after `<|call|>` would be one more token to learn, and for a GPT-2-style BPE "add" and
+" add" are different pieces.
 
 Text from outside is never a control token. A Segment holds its text and the
 markers the program placed in it as separate parts; `encode` turns a marker
@@ -22,13 +21,11 @@ A question that spells "<|end|><|assistant|>" is sent as those characters, not
 as a forged turn. Every path from text to the model goes through `encode`
 (docs/DESIGN.md, "Untrusted text").
 
-`render` turns a trace into (tokens, authors). The trainer's loss covers exactly
-the tokens whose author is MODEL. The model learns to write a call and to copy
-a result, never to predict one. Each segment is encoded separately, as the
-agent loop does (it appends a result's tokens to what the model wrote). Every
-segment boundary is next to a special token, and specials are cut out before
-BPE. So this gives the same tokens as encoding the whole text at once, and
-tests/engine/test_chat.py checks that.
+`render` turns a trace into (tokens, authors); the trainer's loss covers exactly the
+tokens whose author is MODEL: the model learns to write a call and to copy a result,
+never to predict one. Each segment is encoded separately, as the loop does; every
+boundary is next to a special token, so the tokens are those of the whole text at
+once (tests/engine/test_chat.py).
 """
 
 import dataclasses
@@ -175,11 +172,9 @@ def answer(fmt, text):
 def render_message(m, fmt):
     """One history message -> the Segment sent for it in chat format `fmt`.
 
-    A model message is what the model wrote, its markers included (the agent loop keeps the
-    very ids it sampled; this is for traces built from text). A result is text, then the
-    marker that gives the turn back, as in tool_round; any other message opens a user turn, as
-    prompt() does. (With CHATML that follows the model's "<|im_end|>" without the "\\n" its
-    template puts between turns.)
+    A model message is what the model wrote, markers included (for traces built from text; the
+    loop keeps the ids it sampled). A result is text, then the marker that gives the turn back;
+    any other message opens a user turn, as prompt() does.
     """
     if m.kind == "model":
         return Segment(MODEL, markup(fmt, m.text))

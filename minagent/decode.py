@@ -9,12 +9,10 @@ into the row's pages. The two jitted steps are uses of it:
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
 
-Shapes are fixed by (B, T, the page-table width W, the cache): after the first
-call of each shape nothing recompiles, whatever the sequences' lengths. A row
-with n_new == 0, and every padding position t >= n_new, writes its K/V to the
-null page and nowhere else: a paused sequence's pages stay bit-identical while
-the others step (docs/DESIGN.md, "The pause mask").
-Shape letters: docs/DESIGN.md, "Shape legend".
+Shapes are fixed by (B, T, W, the cache): after the first call of each shape nothing
+recompiles. A row with n_new == 0, and every padding position, writes its K/V to the
+null page only: a paused sequence's pages stay bit-identical while the others step
+(docs/DESIGN.md, "The pause mask"). Shape letters: docs/DESIGN.md, "Shape legend".
 """
 
 import collections
@@ -58,7 +56,7 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     Returns (logits_BxV of each row's last new token, the updated cache).
     Rows with n_new == 0 get meaningless (finite) logits and change nothing
     but the null page. attention: "gather" (the reference: gather the W pages of
-    every row, mask) or "pallas" (T == 1 only: `paged_attention`, each row's own pages).
+    every row, mask) or "pallas" (T == 1 only: devices.paged_attention, each row's own pages).
     """
     B, T = tokens_BxT.shape
     W = page_table_BxW.shape[1]
@@ -95,8 +93,9 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
         k_LxKxPxZxH = k_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
         v_LxKxPxZxH = v_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
         if attention == "pallas":
-            attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH[l], v_LxKxPxZxH[l], page_table_BxW,
-                                          length_B)[:, None]
+            from minagent import devices    # noqa: PLC0415  (devices.py builds on this module)
+            attn_BxTxNH = devices.paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH[l], v_LxKxPxZxH[l],
+                                                  page_table_BxW, length_B)[:, None]
         else:
             keys_BxSxKxH = gather_pages(k_LxKxPxZxH[l], page_table_BxW)
             values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], page_table_BxW)
@@ -125,37 +124,14 @@ def gather_pages(pool_KxPxZxH, page_table_BxW):
     return pool_KxPxZxH[:, page_table_BxW].reshape(K, B, W * Z, H).transpose(1, 2, 0, 3)
 
 
-def paged_attention(q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, length_B):
-    """One query per row over the first length_B[b] positions of row b's pages -> [B, N, H].
-
-    The same attention as the gather path, computed by JAX's Pallas paged-attention kernel
-    (jax.experimental.pallas.ops.gpu), which loads only the pages a row holds, block by block,
-    with an online softmax. On a GPU it compiles through Triton; elsewhere it runs in Pallas's
-    interpret mode (slow: for checking it against the gather path). Unlike the gather path it
-    needs finite cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V.
-    """
-    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
-    H = q_BxNxH.shape[-1]
-    W = page_table_BxW.shape[1]
-    splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
-    block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
-    q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_KxPxZxH.dtype)
-    out_BxNxH = pallas_ops.paged_attention(
-        q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, jnp.maximum(length_B, 1).astype(jnp.int32),
-        block_h=16, pages_per_compute_block=block, k_splits=splits,
-        interpret=jax.default_backend() != "gpu")
-    return out_BxNxH
-
-
 def unstack_layers(params):
     """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params with
     "layers" a list of L per-layer dicts. The Batch does this once on CPU; extend accepts both layouts.
 
-    Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at
-    every step, and on CPU that slice is a copy. Separate arrays are read where they lie. The
-    price: the step is traced layer by layer, so a deep model compiles more slowly, and every
-    call passes 9 arrays a layer (SmolLM2: 270), whose dispatch a fast GPU step would feel; so
-    off a CPU the Batch keeps the weights stacked (Batch's per_layer).
+    Why: a scan slices layer l's matrices out of the [L, ...] arrays at every step, on CPU a
+    copy; separate arrays are read where they lie. The price: a deep model compiles more slowly,
+    and each call passes 9 arrays a layer, a dispatch cost a GPU would feel (there the Batch
+    keeps them stacked).
     """
     layers = params["layers"]
     if isinstance(layers, list):
@@ -222,27 +198,3 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),
                                 lengths_B=slots.lengths_B + n_new_B)
     return later, logits_BxV, cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),
-                   donate_argnames=("cache",))
-def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0, attention="gather"):
-    """n decode steps in one call, no trip to the host between them -> (slots, tokens_NxB, cache).
-
-    A slot's pause bit goes off once it samples an end token (ends_V: bool [V], the stop and
-    pause tokens) or has sampled left_B[b] tokens, as the host would do after a step: the same
-    tokens as n calls of decode_step. tokens_NxB[i, b] is what slot b sampled at step i, -1 once
-    it had stopped. The page table must hold every position the n steps can write.
-    """
-    TRACES["decode_steps", n, slots.page_table_BxW.shape] += 1
-
-    def one(carry, _):
-        slots, left_B, cache = carry
-        went_B = slots.active_B
-        later, _, cache = decode_step(params, cfg, cache, slots, temperature, top_k, None, attention)
-        left_B = left_B - went_B
-        ended_B = ends_V[later.tokens_B] | (left_B <= 0)
-        later = dataclasses.replace(later, active_B=went_B & ~ended_B)
-        return (later, left_B, cache), jnp.where(went_B, later.tokens_B, -1)
-    (slots, _, cache), tokens_NxB = jax.lax.scan(one, (slots, left_B, cache), length=n)
-    return slots, tokens_NxB, cache

@@ -1,8 +1,7 @@
 """Read a GGUF file (llama.cpp's format) with numpy alone.
 
-A GGUF file is a header of typed key/value metadata, a table of tensor
-descriptions, then the tensor bytes, aligned. We memory-map the file, parse the
-two tables with `struct`, and dequantize the three tensor types SmolLM2 ships in:
+A header of typed key/value metadata, a table of tensor descriptions, then the aligned
+tensor bytes: memory-mapped, the tables parsed with `struct`, and three types dequantized:
 
     F32    plain float32
     Q8_0   blocks of 32 values: one float16 scale d, 32 int8 q;  x = d * q

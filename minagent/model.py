@@ -7,15 +7,11 @@ Llama's recipe: RMSNorm before each sub-block, rotary position embeddings
 (RoPE), grouped-query attention (K key/value heads shared by N query heads),
 a SwiGLU MLP, and an output head tied to the embedding table or not.
 
-The layers' weights are stacked along a leading L axis and the forward pass
-runs `jax.lax.scan` over them: one compiled layer instead of L copies, which
-keeps compile time flat in depth (SmolLM2 has 30 layers). A shallow model is
-unrolled instead: for a few layers the loop's bookkeeping (slicing each
-layer's weights out, stacking their gradients) costs more than it saves.
-
-The pieces of a layer (`qkv`, `attend`, `finish_layer`) are public because the
-paged decode step (decode.py) runs the same layer with keys and values read
-from the cache instead of computed for the whole sequence.
+The layers' weights are stacked along a leading L axis and forward runs `jax.lax.scan`
+over them: one compiled layer, not L (SmolLM2 has 30). A shallow model is unrolled: for a
+few layers the scan's bookkeeping (slicing weights, stacking gradients) costs more than it
+saves. The pieces of a layer (`qkv`, `attend`, `finish_layer`) are public: the paged
+decode step (decode.py) runs them with keys and values read from the cache.
 Shape letters (suffixes on array names): docs/DESIGN.md, "Shape legend".
 """
 

@@ -1,4 +1,4 @@
-"""Byte-level BPE: train one on a corpus, or load SmolLM2's from its GGUF file.
+"""Byte-level BPE: train one on a corpus (files: tokenfile.py, and SmolLM2's from its GGUF file).
 
 Text becomes ids in three steps:
 
@@ -25,7 +25,6 @@ the bytes differently, so on ties the two can learn the same merges in another o
 import dataclasses
 import functools
 import heapq
-import pathlib
 import sys
 import time
 from collections import Counter, defaultdict
@@ -42,7 +41,6 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # of the text does (`(?![^\s\p{N}])` instead of `(?!\S)`), so "a  4" -> "a", "  ", "4".
 SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 MINAGENT_SPECIALS = ["<|user|>", "<|assistant|>", "<|end|>", "<|call|>", "<|result|>"]
-FORMAT = "minagent-bpe v1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +55,7 @@ def bytes_to_unicode():
     return {b: chr(b) if b in keep else chr(next(shifted)) for b in range(256)}
 
 
-def _to_str(piece):
+def to_str(piece):
     return "".join(bytes_to_unicode()[b] for b in piece)
 
 
@@ -66,7 +64,7 @@ def _unicode_to_bytes():
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
-def _to_bytes(s):
+def to_bytes(s):
     return bytes(_unicode_to_bytes()[c] for c in s)  # KeyError for a char outside the map
 
 
@@ -207,11 +205,9 @@ def _learn_merges(words, counts, n_merges, progress=False):
     where[(a, b)]        indices of the words holding the pair (may hold stale ones; we check)
     heap                 (-count, pair): pops the most frequent, ties -> the smallest pair.
 
-    A merge only changes the words that hold the pair (`words` is rewritten in place), so only their
-    pairs are recounted.
-    Counts then only fall, except for pairs with the new id, which are pushed fresh. So a heap
-    entry is an upper bound: a popped entry whose count is out of date is pushed back with the
-    true count ("lazy invalidation"); one that is up to date is the true maximum.
+    A merge changes only the words holding the pair (rewritten in place), so only their pairs are
+    recounted, and counts only fall (pairs with the new id are pushed fresh): a popped heap entry
+    whose count is stale goes back with the true count ("lazy invalidation"); a fresh one is the max.
     """
     pair_counts, where = defaultdict(int), defaultdict(set)
     for w, (word, n) in enumerate(zip(words, counts)):
@@ -280,95 +276,3 @@ def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGEN
     for a, b in merges:
         pieces.append(pieces[a] + pieces[b])
     return add_special_tokens(Tokenizer(tuple(pieces), tuple(merges), {}, pattern), specials)
-
-
-# ---------------------------------------------------------------- files
-
-def save(tok, path):
-    """A text file: header, pattern, specials, every piece in id order, merges in rank order.
-    Pieces are written with GPT-2's byte -> char map, so " the" reads "Ġthe" and no piece holds a space."""
-    s = [_to_str(p) for p in tok.pieces]
-    lines = [FORMAT, f"pattern {tok.pattern}", f"specials {len(tok.specials)}"]
-    lines += [f"{i} {name}" for name, i in tok.specials.items()]
-    lines += [f"pieces {len(s)}", *s, f"merges {len(tok.merges)}"]
-    lines += [f"{s[a]} {s[b]}" for a, b in tok.merges]
-    pathlib.Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def load(path):
-    """Read a file written by save(); a ValueError names the file, the line and what is wrong with it."""
-    lines = pathlib.Path(path).read_text(encoding="utf-8").split("\n")
-    if lines[-1] == "":
-        lines.pop()                     # the newline that ends the last line
-    at = 0
-
-    def bad(why):
-        return ValueError(f"{path}: line {at}: corrupt tokenizer file, {why}: {lines[at - 1][:60]!r}")
-
-    def take(what):  # the next line
-        nonlocal at
-        if at >= len(lines):
-            raise ValueError(f"{path}: ends early, expected {what} (truncated tokenizer file?)")
-        at += 1
-        return lines[at - 1]
-
-    def section(name):  # a "name N" line; returns N
-        key, _, n = take(f"'{name} N'").partition(" ")
-        if key != name or not n.isdigit():
-            raise bad(f"expected '{name} N'")
-        if int(n) > len(lines) - at:
-            raise bad(f"the header says {n} {name}, the file holds at most {len(lines) - at} more lines")
-        return int(n)
-
-    def piece(s):
-        try:
-            return _to_bytes(s)
-        except KeyError:
-            raise bad("a character outside GPT-2's byte map") from None
-
-    if (header := take("a header")) != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT!r} tokenizer file (first line {header[:60]!r})")
-    key, _, pattern = take("'pattern REGEX'").partition(" ")
-    if key != "pattern" or not pattern:
-        raise bad("expected 'pattern REGEX', a pre-tokenizer pattern")
-    try:
-        regex.compile(pattern)
-    except regex.error as e:
-        raise bad(f"the pattern is not a regex ({e})") from None
-    specials = {}
-    for _ in range(section("specials")):
-        i, _, name = take("a special").partition(" ")
-        if not i.isdigit() or not name:
-            raise bad("expected 'ID NAME'")
-        if name in specials or int(i) in specials.values():
-            raise bad("a special token's name or id given twice")
-        specials[name] = int(i)
-    pieces = tuple(piece(take("a piece")) for _ in range(section("pieces")))
-    id_of = {p: i for i, p in enumerate(pieces) if i not in specials.values()}
-    merges = []
-    for _ in range(section("merges")):
-        pair = [piece(s) for s in take("a merge").split(" ")]
-        if len(pair) != 2 or not all(p in id_of for p in pair) or pair[0] + pair[1] not in id_of:
-            raise bad("expected 'LEFT RIGHT', two pieces that merge into a third")
-        merges.append((id_of[pair[0]], id_of[pair[1]]))
-    if at < len(lines):
-        raise ValueError(f"{path}: {len(lines) - at} lines after the {len(merges)} merges the header announced")
-    if any(i >= len(pieces) for i in specials.values()):
-        raise ValueError(f"{path}: a special token's id is past the {len(pieces)} pieces")
-    return Tokenizer(pieces, tuple(merges), specials, pattern)
-
-
-def from_gguf(path):
-    """SmolLM2's tokenizer from its GGUF file: the same pieces, ids, merges and specials as the original."""
-    from minagent import gguf
-
-    meta, _ = gguf.read(path)
-    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") != "smollm":
-        raise ValueError(f"{path}: expected a byte-level BPE with the 'smollm' pre-tokenizer, got "
-                         f"{meta.get('tokenizer.ggml.model')!r} / {meta.get('tokenizer.ggml.pre')!r}")
-    names, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
-    specials = {s: i for i, (s, t) in enumerate(zip(names, types)) if t == 3}  # 3 = control token
-    pieces = tuple(s.encode("utf-8") if t == 3 else _to_bytes(s) for s, t in zip(names, types))
-    id_of = {s: i for i, s in enumerate(names)}
-    merges = tuple(tuple(id_of[x] for x in m.split(" ")) for m in meta["tokenizer.ggml.merges"])
-    return Tokenizer(pieces, merges, specials, SMOLLM_PATTERN)

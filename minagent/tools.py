@@ -12,14 +12,11 @@ name, then its arguments, separated by whitespace.
 A malformed call does not crash the episode: the tool answers a short error the
 model reads like any other result, and may correct itself from.
 
-    add 4821          -> error: add takes two numbers
     add 4x 3          -> error: not a number: 4x
-    lookup Zed age    -> error: unknown person Zed
     foo 1             -> error: unknown tool foo
 
-Each tool takes the argument text (everything after the name) and returns a string.
-Inside a tool a malformed argument raises ToolError; the `@tool` decorator turns
-it into that `error: ...` string, so callers of a tool never see an exception.
+Each tool takes the argument text (after the name) and returns a string; inside, a bad
+argument raises ToolError, which the `@tool` decorator turns into that `error: ...` string.
 An application brings tools of its own to a Toolbox (tasks/context: `read`).
 """
 
@@ -156,13 +153,10 @@ class Toolbox:
         box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is not in table 7
         box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
 
-    tools: name -> function (default calculator(seed); () for none at all, which makes every
-    call an error: the control that must answer without tools). Calling a Toolbox never raises,
-    whatever the text, and its answer is at most max_result characters. (An answer that spells
-    "<|end|>" is harmless: chat.encode sends every result as text.)
-
-    fail_first=True: the first call of the episode answers BUSY, whatever it is; the
-    next calls work normally. This measures whether the model tries again.
+    tools: name -> function (default calculator(seed); () for none: every call an error).
+    Calling a Toolbox never raises; its answer is at most max_result characters (and sent
+    as text, whatever it spells). fail_first=True: the first call answers BUSY, the next
+    ones work: does the model try again?
     """
 
     def __init__(self, seed=0, *, tools=None, fail_first=False, max_result=MAX_RESULT):

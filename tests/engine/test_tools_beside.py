@@ -2,7 +2,7 @@
 
     python -m pytest tests/engine/test_tools_beside.py -q
 
-Every episode runs on a rote model (minagent/rote.py) that calls `look` at once and again
+Every episode runs on a rote model (minagent/tasks/rote.py) that calls `look` at once and again
 after each result, so each makes max_calls calls, and each call's tool is known.
 """
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minagent import gguf, model, tokenizer, weights
+from minagent import gguf, model, tokenfile, weights
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 IM_END = 2
@@ -21,7 +21,7 @@ IM_END = 2
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     params, cfg = weights.load_params(smollm2_gguf)
-    return params, cfg, tokenizer.from_gguf(smollm2_gguf)
+    return params, cfg, tokenfile.from_gguf(smollm2_gguf)
 
 
 def greedy(params, cfg, prompt_ids, n_new, length=32):

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minagent import tokenfile
 from minagent import tokenizer as tk
 from minagent.chat import Message
 from minagent.tasks.context import counting as cx
@@ -60,14 +61,14 @@ def sample(name):
 
 @pytest.fixture(scope="module")
 def smollm2_tok(smollm2_gguf):
-    return tk.from_gguf(smollm2_gguf)
+    return tokenfile.from_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
 def wordnet_tok():
     if not WORDNET_TOK.exists():
         pytest.skip(f"{WORDNET_TOK} not found; `python experiments/01_tokenization.py` trains and caches it")
-    return tk.load(WORDNET_TOK)
+    return tokenfile.load(WORDNET_TOK)
 
 
 def test_samples_are_what_they_say():

@@ -5,7 +5,7 @@
 Histories are random: a first message, then user turns, rounds (a call and its
 result) and answers in any order, with results from a few characters to 60,000.
 Tokens are counted as len(text) // 4 + 1. At the end, the fit as the agent
-loop's view, on a rote model (minagent/rote.py).
+loop's view, on a rote model (minagent/tasks/rote.py).
 """
 
 import copy

@@ -2,7 +2,7 @@
 
     python -m pytest tests/tasks/test_subagents.py -q
 
-The episodes run on a rote model (minagent/rote.py), so they are known exactly.
+The episodes run on a rote model (minagent/tasks/rote.py), so they are known exactly.
 """
 
 import dataclasses

@@ -1,0 +1,114 @@
+"""Beyond the plain decode step: attention that reads only each row's pages (Pallas), several
+steps a call, and the steps over a mesh of devices. decode.py is the reference for all three.
+
+On a mesh (one axis, "data", of D devices) device d runs its block of rows against its block
+of the page pool, alone: no row reads another device's pages, so jax.shard_map runs the
+one-device step with no communication. Page ids are global (device d's: d * P to d * P + P - 1,
+the first its null page) and each device reads them as its own, id % P (docs/DESIGN.md).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from minagent import decode
+
+
+def paged_attention(q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, length_B):
+    """One query per row over the first length_B[b] positions of row b's pages -> [B, N, H].
+
+    The same attention as the gather path, computed by JAX's Pallas paged-attention kernel
+    (jax.experimental.pallas.ops.gpu), which loads only the pages a row holds, block by block,
+    with an online softmax. On a GPU it compiles through Triton; elsewhere it runs in Pallas's
+    interpret mode (slow: for checking it against the gather path). Unlike the gather path it
+    needs finite cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V.
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
+    H = q_BxNxH.shape[-1]
+    W = page_table_BxW.shape[1]
+    splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
+    block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
+    q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_KxPxZxH.dtype)
+    out_BxNxH = pallas_ops.paged_attention(
+        q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, jnp.maximum(length_B, 1).astype(jnp.int32),
+        block_h=16, pages_per_compute_block=block, k_splits=splits,
+        interpret=jax.default_backend() != "gpu")
+    return out_BxNxH
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0, attention="gather"):
+    """n decode steps in one call, no trip to the host between them -> (slots, tokens_NxB, cache).
+
+    A slot's pause bit goes off once it samples an end token (ends_V: bool [V], the stop and
+    pause tokens) or has sampled left_B[b] tokens, as the host would do after a step: the same
+    tokens as n calls of decode_step. tokens_NxB[i, b] is what slot b sampled at step i, -1 once
+    it had stopped. The page table must hold every position the n steps can write.
+    """
+    decode.TRACES["decode_steps", n, slots.page_table_BxW.shape] += 1
+
+    def one(carry, _):
+        slots, left_B, cache = carry
+        went_B = slots.active_B
+        later, _, cache = decode.decode_step(params, cfg, cache, slots, temperature, top_k, None, attention)
+        left_B = left_B - went_B
+        ended_B = ends_V[later.tokens_B] | (left_B <= 0)
+        later = dataclasses.replace(later, active_B=went_B & ~ended_B)
+        return (later, left_B, cache), jnp.where(went_B, later.tokens_B, -1)
+    (slots, _, cache), tokens_NxB = jax.lax.scan(one, (slots, left_B, cache), length=n)
+    return slots, tokens_NxB, cache
+
+
+# ---------------------------------------------------------------- the steps over a mesh of devices
+
+WHOLE = jax.sharding.PartitionSpec()                     # the weights: on every device
+ROWS = jax.sharding.PartitionSpec("data")                 # [B, ...]: slot blocks, one per device
+PAGES = jax.sharding.PartitionSpec(None, None, "data")    # the cache [L, K, P, Z, H]: page blocks
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg"), donate_argnames=("cache",))
+def prefill_step_on(mesh, params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+    """decode.prefill_step with rows and pages split over `mesh`: device d takes rows d * B / D ..."""
+    def part(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+        P = cache["k"].shape[2]
+        return decode.prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW % P)
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, ROWS, ROWS), out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_step_on(mesh, params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None,
+                   attention="gather"):
+    """decode.decode_step with slots and pages split over `mesh`."""
+    def part(params, cache, slots, allowed_BxV):
+        P = cache["k"].shape[2]
+        local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
+        later, logits_BxV, cache = decode.decode_step(params, cfg, cache, local, temperature, top_k,
+                                                      allowed_BxV, attention)
+        return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), logits_BxV, cache
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS),
+                         out_specs=(ROWS, ROWS, PAGES))(params, cache, slots, allowed_BxV)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg", "n", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_steps_on(mesh, params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0,
+                    attention="gather"):
+    """decode_steps with slots and pages split over `mesh` (tokens_NxB: split along B)."""
+    def part(params, cache, slots, left_B, ends_V):
+        P = cache["k"].shape[2]
+        local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
+        later, tokens_NxB, cache = decode_steps(params, cfg, cache, local, left_B, ends_V, n,
+                                                       temperature, top_k, attention)
+        return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), tokens_NxB, cache
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, WHOLE),
+                         out_specs=(ROWS, jax.sharding.PartitionSpec(None, "data"), PAGES))(
+                             params, cache, slots, left_B, ends_V)
+
+
+# decode's step -> the same step over a mesh (Batch._run picks from here when it has a mesh)
+ON_MESH = {decode.prefill_step: prefill_step_on, decode.decode_step: decode_step_on,
+           decode_steps: decode_steps_on}
