@@ -26,21 +26,41 @@ def caller(stok, rote):
 
 
 class Tool:
-    """Answers `text` after `sleep` seconds, and notes when each call started and ended."""
+    """Answers `text` after `sleep` seconds, and notes when each call started and ended. With `first`
+    (a threading.Event), it also waits up to 10 s for that event before it sleeps."""
 
-    def __init__(self, sleep=0.0, text="ok"):
-        self.sleep, self.text, self.spans = sleep, text, []
+    def __init__(self, sleep=0.0, text="ok", first=None):
+        self.sleep, self.text, self.spans, self.first = sleep, text, [], first
 
     def __call__(self, call):
         start = time.monotonic()
+        if self.first is not None:
+            self.first.wait(timeout=10.0)
         time.sleep(self.sleep)
         self.spans.append((start, time.monotonic()))
         return self.text
 
 
+class Fast(Tool):
+    """Answers at once; `done` is set when every Fast of the group has answered `calls` times."""
+
+    def __init__(self, group, done, calls):
+        super().__init__()
+        self.group, self.done, self.calls = group, done, calls
+
+    def __call__(self, call):
+        out = super().__call__(call)
+        if all(len(tool.spans) >= self.calls for tool in self.group):
+            self.done.set()
+        return out
+
+
 def test_a_slow_tool_holds_only_its_own_episode(stok, caller):
-    slow = [Tool(sleep=1.0) for _ in range(4)]
-    fast = [Tool() for _ in range(4)]
+    """The slow tools wait until the fast episodes are done (at most 10 s), then sleep 1 s. If the
+    batch waited for a slow call, the fast episodes could not move before it timed out."""
+    done, fast = threading.Event(), []
+    fast += [Fast(fast, done, calls=2) for _ in range(4)]
+    slow = [Tool(sleep=1.0, first=done) for _ in range(4)]
     t0 = time.monotonic()
     records = agent.run(caller, stok, FMT, [f"q{i}" for i in range(8)], slow + fast, max_calls=2)
     wall = time.monotonic() - t0
@@ -48,8 +68,8 @@ def test_a_slow_tool_holds_only_its_own_episode(stok, caller):
     # the fast episodes did all their calls while the first slow call was still sleeping
     first_slow_ends = min(end for tool in slow for _, end in tool.spans)
     assert max(end for tool in fast for _, end in tool.spans) < first_slow_ends
-    tool_time = sum(end - start for tool in slow + fast for start, end in tool.spans)    # 8 s of sleeping
-    assert wall < 0.5 * tool_time, (wall, tool_time)                                    # about 2 s
+    tool_time = sum(end - start for tool in slow + fast for start, end in tool.spans)    # over 8 s of waiting
+    assert wall < 0.5 * tool_time, (wall, tool_time)                                    # about 2.5 s
     assert caller.pool.n_used == 0
 
 
