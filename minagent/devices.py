@@ -75,7 +75,8 @@ def prefill_step_on(mesh, params, cfg, cache, tokens_BxT, start_B, n_new_B, page
     def part(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
         P = cache["k"].shape[2]
         return decode.prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW % P)
-    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, ROWS, ROWS), out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, ROWS, ROWS),
+                         out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "cfg", "temperature", "top_k", "attention"),
@@ -101,8 +102,8 @@ def decode_steps_on(mesh, params, cfg, cache, slots, left_B, ends_V, n, temperat
     def part(params, cache, slots, left_B, ends_V):
         P = cache["k"].shape[2]
         local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
-        later, tokens_NxB, cache = decode_steps(params, cfg, cache, local, left_B, ends_V, n,
-                                                       temperature, top_k, attention)
+        later, tokens_NxB, cache = decode_steps(params, cfg, cache, local, left_B, ends_V, n, temperature,
+                                                top_k, attention)
         return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), tokens_NxB, cache
     return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, WHOLE),
                          out_specs=(ROWS, jax.sharding.PartitionSpec(None, "data"), PAGES))(

@@ -72,7 +72,8 @@ def test_paused_and_resumed_equals_prompted_whole(temperature):
     assert batch.seqs[a].positions == len(batch.seqs[a].tokens) - 1 == batch.seqs[b].positions
 
 
-@pytest.mark.parametrize("attention, per_layer", [("gather", True), pytest.param("gather", False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("attention, per_layer", [("gather", True),
+                                                   pytest.param("gather", False, marks=pytest.mark.slow),
                                                    pytest.param("pallas", True, marks=pytest.mark.slow)])
 def test_batch_equals_forward(attention, per_layer):
     """Sequences of many lengths, chunked prefills, a queue, growing decode widths: logits == forward's

@@ -64,7 +64,8 @@ def test_data_parallel_and_fsdp_give_the_single_device_losses():
         assert mesh.size == 8
         shard = train.placement(model.init(jax.random.PRNGKey(0), CFG), mesh, "fsdp")["layers"]["wq"].spec
         explicit = jax.make_mesh((8,), ("data",))           # "explicit" axes: taken as automatic ones
-        print(json.dumps({"spec": list(shard), "full explicit": losses(explicit), **{f"{kind} {how}": losses(mesh if how != "single" else None, how
+        print(json.dumps({"spec": list(shard), "full explicit": losses(explicit),
+                          **{f"{kind} {how}": losses(mesh if how != "single" else None, how
                           if how != "single" else "data", kind == "lora")
                           for kind in ("full", "lora") for how in ("single", "data", "fsdp")}}))
     """))
