@@ -99,7 +99,7 @@ class Batch:
         if attention not in ("gather", "pallas"):
             raise ValueError(f"attention={attention!r}: 'gather' or 'pallas'")
         D = 1 if mesh is None else mesh.size
-        mesh = None if mesh is None else jax.sharding.Mesh(mesh.devices, mesh.axis_names)   # train.automatic
+        mesh = None if mesh is None else devices.automatic(mesh)
         if mesh is not None and (mesh.axis_names != ("data",) or slots % D):
             raise ValueError(f"mesh {dict(mesh.shape)} for {slots} slots: one axis, 'data', dividing the slots")
         per_layer = jax.default_backend() == "cpu" if per_layer is None else per_layer

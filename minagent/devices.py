@@ -64,6 +64,16 @@ def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, 
 
 # ---------------------------------------------------------------- the steps over a mesh of devices
 
+def automatic(mesh):
+    """The same devices and axes with XLA choosing how intermediate values are split ("auto" axes).
+
+    jax.make_mesh gives "explicit" axes, where every operation must say how its result is split:
+    the model's embedding lookup, written for one device, cannot. minagent's steps say nothing and
+    leave it to XLA, as on one device, so a mesh is taken as an automatic one.
+    """
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names)
+
+
 WHOLE = jax.sharding.PartitionSpec()                     # the weights: on every device
 ROWS = jax.sharding.PartitionSpec("data")                 # [B, ...]: slot blocks, one per device
 PAGES = jax.sharding.PartitionSpec(None, None, "data")    # the cache [L, K, P, Z, H]: page blocks

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from minagent import model
+from minagent import devices, model
 
 FORMAT_VERSION = 1   # of the checkpoint file; bump it when the layout changes
 
@@ -228,16 +228,6 @@ def data_mesh(devices=None):
     return jax.sharding.Mesh(np.array(devices or jax.devices()), ("data",))
 
 
-def automatic(mesh):
-    """The same devices and axes with XLA choosing how intermediate values are split ("auto" axes).
-
-    jax.make_mesh gives "explicit" axes, where every operation must say how its result is split:
-    the model's embedding lookup, written for one device, cannot. minagent's steps say nothing and
-    leave it to XLA, as on one device, so a mesh is taken as an automatic one.
-    """
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names)
-
-
 def placement(tree, mesh, sharding="data"):
     """Where each leaf of `tree` lives on the mesh: a NamedSharding per leaf.
 
@@ -314,7 +304,7 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     opt_state = jax.tree.map(jnp.array, opt_state)
     place = lambda tree: tree    # noqa: E731    one device: where they are
     if mesh is not None:
-        mesh = automatic(mesh)
+        mesh = devices.automatic(mesh)
         if tcfg.batch_size % mesh.size:
             raise ValueError(f"batch_size={tcfg.batch_size} must be a multiple of the mesh's {mesh.size} devices")
         rows_BxT = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -47,7 +47,10 @@ def test_imported_modules_reads_every_form():
 
 
 # Text that points outside the repository: the developers' own notes, issue trackers, a machine's paths.
-OUTSIDE = re.compile(r"\.\./shared|\bSPEC\b|(?i:\bthe spec\b|\bspec's\b)|/work/|/home/\w+/|(?i:\bissue #?\d)")
+# Spelled in pieces so that this file, which the test reads too, does not match what it hunts.
+NOTES = "S" + "PEC"     # the developers' own notes, by name
+OUTSIDE = re.compile("|".join([r"\.\./" + "shared", rf"\b{NOTES}\b", rf"(?i:\bthe {NOTES}\b|\b{NOTES}'s\b)",
+                               "/" + "work/", r"/home/\w+/", r"(?i:\bissue #?\d)"]))
 
 
 def test_nothing_points_outside_the_repository():
@@ -57,5 +60,5 @@ def test_nothing_points_outside_the_repository():
     assert len(files) > 40
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:80]}" for p in files
              for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
-             if OUTSIDE.search(line) and p != pathlib.Path(__file__)]
+             if OUTSIDE.search(line)]
     assert not found, "\n".join(found[:20])
