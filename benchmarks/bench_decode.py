@@ -1,32 +1,39 @@
-"""Greedy decode speed: minagent's paged engine vs Hugging Face transformers' `generate`, on CPU.
+"""Greedy decode speed on CPU: minagent's paged engine vs Hugging Face transformers' `generate` and llama.cpp.
 
-    python benchmarks/bench_decode.py              # about 5 minutes on 2 CPU cores
+    python benchmarks/bench_decode.py              # about 10 minutes on 2 CPU cores
     python benchmarks/bench_decode.py --quick      # batch 1 and 4, 16 tokens; writes nothing
     python benchmarks/bench_decode.py --one-core   # one core, one thread each (a shared machine)
-    python benchmarks/bench_decode.py --quick --no-ref   # minagent alone, no torch: about 1.5 min
+    python benchmarks/bench_decode.py --quick --no-ref   # minagent alone, no torch: about 2 min
 
-SmolLM2-135M-Instruct, the same float32 weights on both sides (minagent
-dequantizes the GGUF file itself; transformers' GGUF loader does the same),
-the same chat prompt in every row, `--new` greedy tokens. Each timed run
-covers everything from the prompt to the last token (prefill included, as
-`generate` does); compiling happens in an untimed warm-up run. The two engines
-take turns, `--repeats` times, so that load from other processes on the
-machine hits both; the table reports the best run of each, and the median
-decode step of the best run (steadier than a total under bursts of load).
-Run it on an idle machine: with two threads each and other work running,
-torch's threads slow down far more than XLA's, which flatters minagent.
-The script warns when the load average is above 0.5.
+SmolLM2-135M-Instruct, the same chat prompt in every row, `--new` greedy tokens. The engines:
+
+    minagent f32                float32 weights (minagent dequantizes the GGUF file itself)
+    minagent bf16, f32 cache    the same weights rounded to bfloat16, the KV cache in float32
+    minagent bf16, bf16 cache   the same with the cache in bfloat16
+    transformers f32 / bf16     the same weights (its GGUF loader dequantizes too), float32 / bfloat16
+    llama.cpp                   batch 1 only: llama-cpp-python on the GGUF file as it is (quantized weights)
+
+"minagent bf16" in the ratios is the faster of its two cache dtypes (by the median decode step).
+Each timed run covers everything from the prompt to the last token (prefill included, as
+`generate` does); compiling happens in an untimed warm-up run. The engines take turns,
+`--repeats` times, so that load from other processes on the machine hits them all; the table
+reports the best run of each, and the median decode step of the best run (steadier than a total
+under bursts of load). Greedy tokens are compared with minagent f32's: how many leading tokens agree.
+Run it on an idle machine: with two threads each and other work running, torch's threads slow
+down far more than XLA's, which flatters minagent. The script warns when the load average is above 0.5.
 
 Then the host overhead: a small random model at batch 64, where the model is
 cheap and Python's bookkeeping shows: the share of the wall time of `step()`
 spent outside the jitted calls (timed with block_until_ready).
 
-Writes benchmarks/results/decode.json. Needs the `ref` extra (torch, transformers);
---no-ref runs minagent's side and the host overhead only (SmolLM2's chat template
+Writes benchmarks/results/decode.json. Needs the `ref` extra (torch, transformers,
+llama-cpp-python; without llama_cpp its rows are skipped, with the reason printed);
+--no-ref runs minagent's engines and the host overhead only (SmolLM2's chat template
 rebuilt with minagent's tokenizer), prints them and writes nothing.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -51,18 +58,37 @@ from minagent.cache import pages_for  # noqa: E402
 RESULTS = pathlib.Path(__file__).parent / "results" / "decode.json"
 QUESTION = "Write a short story about a robot who learns to paint."
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"   # its template's default
+REFERENCE = "minagent f32"       # the engine whose greedy tokens the others are compared with
+BATCH_1_ONLY = ("llama.cpp",)
+RATIOS = [("minagent f32", "transformers f32"), ("minagent bf16", "transformers bf16"),
+          ("minagent bf16", "minagent f32"), ("minagent f32", "llama.cpp"), ("minagent bf16", "llama.cpp")]
 
 
-def minagent_run(params, cfg, prompt, B, new):
-    """B copies of `prompt`, `new` greedy tokens each -> (seconds, [time after each step], tokens of row 0, compiles)."""
-    batch = Batch(params, cfg, slots=B, n_pages=1 + B * pages_for(len(prompt) + new, 16), page_size=16)
+@dataclasses.dataclass
+class Run:
+    """One timed greedy decode: wall seconds, the time after each step (from the start), row 0's tokens."""
+    seconds: float
+    stamps: list
+    tokens: list
+    compiles: int | None = None     # traces of the jitted steps it caused (minagent only)
+
+
+def to_bfloat16(params):
+    """The params pytree with every float array rounded to bfloat16."""
+    return jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+
+def minagent_run(params, cfg, prompt, B, new, cache_dtype="float32"):
+    """B copies of `prompt`, `new` greedy tokens each, the KV cache in `cache_dtype`."""
+    batch = Batch(params, cfg, slots=B, n_pages=1 + B * pages_for(len(prompt) + new, 16), page_size=16,
+                  cache_dtype=cache_dtype)
     t0 = time.perf_counter()
     ids = [batch.add(prompt, new) for _ in range(B)]
     stamps = []
     while batch.running():
         batch.step()
         stamps.append(time.perf_counter())
-    return stamps[-1] - t0, [t - t0 for t in stamps], batch.seqs[ids[0]].tokens[len(prompt):], batch.compiles
+    return Run(stamps[-1] - t0, [t - t0 for t in stamps], batch.seqs[ids[0]].tokens[len(prompt):], batch.compiles)
 
 
 def hf_run(hf_model, prompt, B, new):
@@ -79,13 +105,105 @@ def hf_run(hf_model, prompt, B, new):
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                 min_new_tokens=new, do_sample=False, pad_token_id=2, logits_processor=[stamp])
-    return time.perf_counter() - t0, [t - t0 for t in stamps], out[0, len(prompt):].tolist()
+    return Run(time.perf_counter() - t0, [t - t0 for t in stamps], out[0, len(prompt):].tolist())
+
+
+def llama_cpp_model(path, threads, n_ctx):
+    """llama-cpp-python's model on the GGUF file, `threads` threads; None (the reason printed) without it."""
+    try:
+        import llama_cpp
+    except ImportError as error:
+        print(f"llama.cpp rows skipped: llama_cpp is not importable ({error}); it comes with the ref extra "
+              f"(pyproject.toml says how to build it)", flush=True)
+        return None
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+
+def llama_cpp_info(llm, threads):
+    """llama.cpp's version, threads, its description of the model (the weight type last) and CPU features."""
+    import ctypes
+    import llama_cpp
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(llm.model, desc, len(desc))
+    return {"llama_cpp": llama_cpp.__version__, "llama_cpp_threads": threads, "llama_cpp_weights": desc.value.decode(),
+            "llama_cpp_system": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+def llama_cpp_run(llm, prompt, new):
+    """Batch 1 with llama.cpp, from an empty cache: generate() yields each greedy token (temp 0) once sampled."""
+    llm.reset()                                      # forget the last run's tokens: no prefix reuse
+    stamps, tokens = [], []
+    t0 = time.perf_counter()
+    for token in llm.generate(prompt, temp=0.0):
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+        if len(tokens) == new:
+            break
+    return Run(stamps[-1] - t0, [t - t0 for t in stamps], tokens)
 
 
 def step_ms(stamps):
     """Median time of a decode step (after the first, which includes the prefill), in ms: robust to bursts
     of load from other processes, which a total time is not."""
     return 1e3 * statistics.median(np.diff(stamps))
+
+
+def leading_agreement(tokens, reference):
+    """How many leading tokens two greedy runs share."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
+def measure(engines, B, args):
+    """One row: each engine at batch B, an untimed warm-up run each (compiling), then `args.repeats` turns."""
+    names = [name for name in engines if B == 1 or name not in BATCH_1_ONLY]
+    warmups = {name: engines[name](B) for name in names}
+    runs = {name: [] for name in names}
+    for _ in range(args.repeats):                                 # take turns
+        for name in names:
+            runs[name].append(engines[name](B))
+    reference = runs[REFERENCE][-1].tokens
+    row = {"batch": B, "new_tokens": args.new, "engines": {}}
+    for name in names:
+        best = min(run.seconds for run in runs[name])
+        row["engines"][name] = {
+            "tok_s": B * args.new / best, "decode_step_ms": min(step_ms(run.stamps) for run in runs[name]),
+            "first_token_s": min(run.stamps[0] for run in runs[name]),
+            "greedy_tokens_agree": leading_agreement(runs[name][-1].tokens, reference),
+            "runs_s": [run.seconds for run in runs[name]]}
+        if warmups[name].compiles is not None:
+            row["engines"][name].update(warmup_compiles=warmups[name].compiles,
+                                        compiles_after_warmup=max(run.compiles for run in runs[name]))
+    add_ratios(row)
+    return row
+
+
+def add_ratios(row):
+    """The faster minagent bf16 engine, and the tok/s and decode-step ratios of each pair that both ran."""
+    engines = row["engines"]
+    bf16 = min((name for name in engines if name.startswith("minagent bf16")),
+               key=lambda name: engines[name]["decode_step_ms"])
+    row["minagent_bf16_cache"] = bf16.split(", ")[1]
+    alias = {"minagent bf16": bf16}
+    row["ratios"] = {}
+    for ours, theirs in RATIOS:
+        a, b = alias.get(ours, ours), alias.get(theirs, theirs)
+        if a in engines and b in engines:
+            row["ratios"][f"{ours} / {theirs}"] = {
+                "tok_s": engines[a]["tok_s"] / engines[b]["tok_s"],
+                "decode_step": engines[b]["decode_step_ms"] / engines[a]["decode_step_ms"]}
+
+
+def print_row(row):
+    """One line per engine, then the ratios."""
+    for name, e in row["engines"].items():
+        compiles = (f"; {e['warmup_compiles']} compiles in the warm-up, {e['compiles_after_warmup']} after"
+                    if "warmup_compiles" in e else "")
+        print(f"{row['batch']:>5} {name:<26} {e['tok_s']:>7.1f} {e['decode_step_ms']:>8.1f} "
+              f"{e['first_token_s']:>8.2f} {e['greedy_tokens_agree']:>4}/{row['new_tokens']}  "
+              f"runs {', '.join(f'{s:.2f}' for s in e['runs_s'])} s{compiles}")
+    print(f"{'':>5} minagent bf16 below: the {row['minagent_bf16_cache']} (the faster decode step)")
+    for pair, r in row["ratios"].items():
+        print(f"{'':>5} {pair:<38} {r['tok_s']:>5.2f}x tok/s, {r['decode_step']:>5.2f}x decode step")
 
 
 def matmul_floor(params, B, repeats=5):
@@ -171,18 +289,10 @@ def overhead_line(overhead):
             f"{100 * overhead['share_outside_jit']:.1f}% outside")
 
 
-def minagent_only(args, params, cfg, path):
-    """--no-ref: minagent's side of each row and the host overhead, printed; nothing to compare with."""
-    tok = tokenfile.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
-    prompt = chat.encode(tok, chat.prompt(chat.CHATML, QUESTION, system=SMOLLM_SYSTEM))
-    for B in args.batches:
-        compiles = minagent_run(params, cfg, prompt, B, args.new)[-1]      # warm-up: compiles
-        runs = [minagent_run(params, cfg, prompt, B, args.new) for _ in range(args.repeats)]
-        best, n = min(r[0] for r in runs), B * args.new
-        print(f"batch {B}: minagent {n / best:.1f} tok/s, decode step {min(step_ms(r[1]) for r in runs):.1f} ms, "
-              f"first token {min(r[1][0] for r in runs):.2f} s; {compiles} compiles in the warm-up, "
-              f"{runs[-1][-1]} after; runs {[r[0] for r in runs]} s", flush=True)
-    print(overhead_line(host_overhead(steps=16 if args.quick else 64)))
+def overhead_line(overhead):
+    return (f"host overhead at batch {overhead['batch']} (d_model 64, 2 layers): {overhead['ms_per_step']:.2f} ms "
+            f"per step, {overhead['ms_in_jit_per_step']:.2f} ms inside jit, "
+            f"{100 * overhead['share_outside_jit']:.1f}% outside")
 
 
 def main():
@@ -195,82 +305,83 @@ def main():
                         help="one core, one thread per engine: steadier on a machine shared with other work, "
                              "where two-thread runs (torch's above all) slow down erratically")
     parser.add_argument("--no-ref", action="store_true",
-                        help="minagent alone, without torch and transformers: prints its numbers, writes nothing")
+                        help="minagent alone, without torch, transformers and llama.cpp: prints, writes nothing")
     args = parser.parse_args()
     if args.quick:
         args.batches, args.new, args.repeats = [1, 4], 16, 1
     path = weights.smollm2_path()
     params, cfg = weights.load_params(path)
+    params16, cfg16 = to_bfloat16(params), dataclasses.replace(cfg, dtype="bfloat16")
+    engines = {"minagent f32": lambda B: minagent_run(params, cfg, prompt, B, args.new),
+               "minagent bf16, f32 cache": lambda B: minagent_run(params16, cfg16, prompt, B, args.new),
+               "minagent bf16, bf16 cache": lambda B: minagent_run(params16, cfg16, prompt, B, args.new, "bfloat16")}
+    versions = {"jax": jax.__version__}
     if args.no_ref:
-        return minagent_only(args, params, cfg, path)
+        tok = tokenfile.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
+        prompt = chat.encode(tok, chat.prompt(chat.CHATML, QUESTION, system=SMOLLM_SYSTEM))
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if args.one_core:
+            torch.set_num_threads(1)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        prompt = list(tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if args.one_core:
-        torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"])
+        def hf_model(dtype):
+            return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+
+        hf_f32, hf_bf16 = hf_model(torch.float32), hf_model(torch.bfloat16)
+        engines["transformers f32"] = lambda B: hf_run(hf_f32, prompt, B, args.new)
+        engines["transformers bf16"] = lambda B: hf_run(hf_bf16, prompt, B, args.new)
+        versions["torch"] = torch.__version__
+        threads = 1 if args.one_core else len(os.sched_getaffinity(0))
+        llm = llama_cpp_model(path, threads, n_ctx=len(prompt) + args.new + 16)
+        if llm is not None:
+            engines["llama.cpp"] = lambda B: llama_cpp_run(llm, prompt, args.new)
+            versions.update(llama_cpp_info(llm, threads))
     load_before = os.getloadavg()
-
+    print(f"{'batch':>5} {'engine':<26} {'tok/s':>7} {'step ms':>8} {'first s':>8} {'agree':>7}", flush=True)
     rows = []
     for B in args.batches:
-        compiles = minagent_run(params, cfg, prompt, B, args.new)[-1]      # warm-up: compiles
-        hf_run(hf_model, prompt, B, min(args.new, 4))
-        ours, theirs = [], []
-        for _ in range(args.repeats):                                       # take turns
-            *run, ours_tokens, recompiles = minagent_run(params, cfg, prompt, B, args.new)
-            ours.append(run)
-            *run, their_tokens = hf_run(hf_model, prompt, B, args.new)
-            theirs.append(run)
-        floor = matmul_floor(params, B)
-        agree = next((i for i, (a, b) in enumerate(zip(ours_tokens, their_tokens)) if a != b), args.new)
-        n = B * args.new
-        best_ours, best_theirs = min(s for s, _ in ours), min(s for s, _ in theirs)
-        step_ours, step_theirs = min(step_ms(t) for _, t in ours), min(step_ms(t) for _, t in theirs)
-        rows.append({"batch": B, "new_tokens": args.new, "prompt_tokens": len(prompt),
-                     "minagent_tok_s": n / best_ours, "transformers_tok_s": n / best_theirs,
-                     "ratio": best_theirs / best_ours,
-                     "minagent_decode_step_ms": step_ours, "transformers_decode_step_ms": step_theirs,
-                     "decode_step_ratio": step_theirs / step_ours,
-                     "minagent_first_token_s": min(t[0] for _, t in ours),
-                     "transformers_first_token_s": min(t[0] for _, t in theirs),
-                     "matmul_floor_ms": floor, "best_possible_step_ratio": step_theirs / min(floor.values()),
-                     "greedy_tokens_agree": agree, "warmup_compiles": compiles, "compiles_after_warmup": recompiles,
-                     "minagent_runs_s": [s for s, _ in ours], "transformers_runs_s": [s for s, _ in theirs]})
-        print(f"batch {B}: minagent {n / best_ours:.1f} tok/s, transformers {n / best_theirs:.1f} tok/s, ratio "
-              f"{best_theirs / best_ours:.2f}; decode step {step_ours:.1f} vs {step_theirs:.1f} ms; greedy tokens "
-              f"agree on {agree}/{args.new}; weight matmuls alone {floor['xla_ms']:.1f} ms (XLA), "
-              f"{floor['torch_ms']:.1f} ms (torch); runs {rows[-1]['minagent_runs_s']} vs "
-              f"{rows[-1]['transformers_runs_s']} s", flush=True)
+        rows.append(measure(engines, B, args))
+        if not args.no_ref:
+            floor = matmul_floor(params, B)
+            rows[-1].update(matmul_floor_ms=floor, best_possible_step_ratio=(
+                rows[-1]["engines"]["transformers f32"]["decode_step_ms"] / min(floor.values())))
+        print_row(rows[-1])
+        sys.stdout.flush()
 
     overhead = host_overhead(steps=16 if args.quick else 64)
-    cores = "1 core (--one-core)" if args.one_core else f"{len(os.sched_getaffinity(0))} cores"
-    result = {"device": f"{platform.processor() or platform.machine()}, {cores}",
-              "jax": jax.__version__, "torch": torch.__version__, "load_average_before": load_before,
+    n_cores = len(os.sched_getaffinity(0))
+    cores = "1 core (--one-core)" if args.one_core else f"{n_cores} core{'s' * (n_cores > 1)}"
+    result = {"device": f"{platform.processor() or platform.machine()}, {cores}", **versions,
+              "prompt_tokens": len(prompt), "load_average_before": load_before,
               "load_average_after": os.getloadavg(), "rows": rows, "host_overhead": overhead}
     result["machine_busy"] = max(load_before[0], result["load_average_after"][0]) > 0.5
 
-    print(f"\nSmolLM2-135M greedy decode, float32, CPU ({result['device']}), load {load_before[0]:.1f}")
+    print(f"\nSmolLM2-135M greedy decode, CPU ({result['device']}), {len(prompt)}-token prompt, "
+          f"load {load_before[0]:.1f}")
     if result["machine_busy"]:
         print("WARNING: the machine was busy with other work: these numbers are not reliable "
               "(two-thread torch suffers most); rerun on an idle machine or with --one-core")
-    print("tok/s: prompt to last token, best run. step: median decode step, best run. first: prefill + 1 step.")
-    print(f"{'batch':>5} {'minagent tok/s':>15} {'HF tok/s':>9} {'ratio':>6} | {'step ms':>8} {'HF step':>8} "
-          f"{'ratio':>6} | {'first s':>8} {'HF first':>8}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['minagent_tok_s']:>15.1f} {r['transformers_tok_s']:>9.1f} {r['ratio']:>6.2f} | "
-              f"{r['minagent_decode_step_ms']:>8.1f} {r['transformers_decode_step_ms']:>8.1f} "
-              f"{r['decode_step_ratio']:>6.2f} | {r['minagent_first_token_s']:>8.2f} "
-              f"{r['transformers_first_token_s']:>8.2f}")
-    print("floor: the weight matmuls of one step alone (XLA / torch, ms); best possible: HF step / the faster "
-          "floor, the step ratio that an engine doing nothing but those matmuls would reach")
-    for r in rows:
-        print(f"{r['batch']:>5} floor {r['matmul_floor_ms']['xla_ms']:.1f} / {r['matmul_floor_ms']['torch_ms']:.1f} ms, "
-              f"best possible step ratio {r['best_possible_step_ratio']:.2f}")
+    print("tok/s: prompt to last token, best run. step: median decode step, best run. first: time to the first "
+          "token (prefill included). agree: leading greedy tokens the same as minagent f32's.")
+    if "llama_cpp_weights" in result:
+        print(f"llama.cpp {result['llama_cpp']}, {result['llama_cpp_threads']} thread(s), "
+              f"weights as it loads them: {result['llama_cpp_weights']}")
+    print(f"{'batch':>5} {'engine':<26} {'tok/s':>7} {'step ms':>8} {'first s':>8} {'agree':>7}")
+    for row in rows:
+        print_row(row)
+    if not args.no_ref:
+        print("floor: the float32 weight matmuls of one step alone (XLA / torch, ms); best possible: transformers "
+              "f32 step / the faster floor, the step ratio that an engine doing nothing but those matmuls would reach")
+        for row in rows:
+            print(f"{row['batch']:>5} floor {row['matmul_floor_ms']['xla_ms']:.1f} / "
+                  f"{row['matmul_floor_ms']['torch_ms']:.1f} ms, best possible step ratio "
+                  f"{row['best_possible_step_ratio']:.2f}")
     print(overhead_line(overhead))
-    if args.quick:                # a smoke test: keep the real results
+    if args.quick or args.no_ref:    # a smoke test, or nothing to compare with: keep the real results
         return
     out = RESULTS.with_name("decode_one_core.json") if args.one_core else RESULTS
     out.parent.mkdir(parents=True, exist_ok=True)
