@@ -1,9 +1,11 @@
 """Greedy decode speed on CPU: minagent's paged engine vs Hugging Face transformers' `generate` and llama.cpp.
 
-    python benchmarks/bench_decode.py              # about 10 minutes on 2 CPU cores
-    python benchmarks/bench_decode.py --quick      # batch 1 and 4, 16 tokens; writes nothing
-    python benchmarks/bench_decode.py --one-core   # one core, one thread each (a shared machine)
-    python benchmarks/bench_decode.py --quick --no-ref   # minagent alone, no torch: about 2 min
+    python benchmarks/bench_decode.py              # batch 1 and 32, 64 tokens, 3 turns
+    python benchmarks/bench_decode.py --quick      # batch 1 and 4, 16 tokens; writes nothing (5 min)
+    python benchmarks/bench_decode.py --one-core   # one core, one thread each (a shared machine): 27 min
+    python benchmarks/bench_decode.py --quick --no-ref   # minagent alone, no torch: about 4 min
+
+(Times on one busy core, load 5: most of it goes to minagent's bfloat16 rows, slow on CPU.)
 
 SmolLM2-135M-Instruct, the same chat prompt in every row, `--new` greedy tokens. The engines:
 
