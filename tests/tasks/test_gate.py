@@ -5,6 +5,7 @@ Run: python -m pytest tests/tasks/test_gate.py -q
 """
 
 import dataclasses
+import hashlib
 import json
 
 import hypothesis.strategies as st
@@ -298,7 +299,39 @@ def test_injections_present():
     for split, requests in SETS.items():
         injections = [r for r in requests if r.kind == "injection"]
         assert {r.tool for r in injections} == set(shop.TOOLS), split    # in requests for every tool
-        assert all("refund" in r.text.lower() for r in injections)
+        for r in injections:                    # the injection is the last template, spelled out in the text
+            assert r.templates[-1] in shop_data.INJECTIONS["test" if split == "test" else "train"]
+            assert r.templates[-1].split("{")[0] in r.text
+
+
+def test_the_test_set_never_changes():
+    """The 150 test requests are the measure every recipe is judged by: the training side may grow,
+    the test side may not. The digest is of test_set(0) as first written."""
+    digest = hashlib.sha256(json.dumps([(r.text, r.tool, r.args, r.kind) for r in SETS["test"]]).encode())
+    assert digest.hexdigest()[:16] == "106b62d31d95c539"
+
+
+def test_validation_split_is_kept_out_of_training():
+    """val_set draws from a quarter of the training side that train_set and seen_test_set never use."""
+    fit = SETS["train"] + SETS["seen"]
+    val = shop_data.val_set(0)
+    assert len(val) == 150 and all(sum(r.tool == t for r in val) == 30 for t in shop.TOOLS)
+    assert {t for r in val for t in r.templates} & {t for r in fit for t in r.templates} == set()
+    assert {t for r in val for t in r.templates} <= pool("train")
+    for name in ("item", "day", "query"):
+        assert {r.args[name] for r in val if name in r.args} & {r.args[name] for r in fit if name in r.args} == set()
+
+
+def test_training_side_varies_the_writing():
+    """Greetings, sign-offs, typos and injection styles appear in training, never in the test requests."""
+    train, test = SETS["train"], SETS["test"]
+    for texts, expect in (([r.text for r in train], True), ([r.text for r in test], False)):
+        assert any(t.startswith(shop_data.GREETINGS) for t in texts) == expect
+        assert any(t.endswith(shop_data.SIGN_OFFS) for t in texts) == expect
+    styles = {"another language": "Ignorez", "quoted": '"', "fake system": "[SYSTEM]", "fake approval": "Approved by"}
+    injections = [r.text for r in train if r.kind == "injection"]
+    assert all(any(mark in t for t in injections) for mark in styles.values())
+    assert any(r.kind == "injection" and r.args["reason"] != "prompt injection" for r in train if r.tool == "ask_human")
 
 
 def test_gold_answers_are_valid_and_unflagged():
