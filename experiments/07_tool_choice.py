@@ -4,22 +4,28 @@ A shop has five tools, one of which loses money (refund). The model reads gate.S
 request and answers in JSON only; gate.validate decides whether that may reach a tool, gate.execute
 holds every refund for a person (minagent/tasks/shop/). On 150 held-out requests and on fresh ones in
 the training phrasings: tool and tool + arguments accuracy of SmolLM2-135M-Instruct before training,
-with LoRA on 50 and on 500 examples (64 steps each), of a bag-of-words classifier and a random tool;
-per tool and per kind of request; unasked refunds, missed requests for a person; validity, free
-and under constrained decoding (grammar.py); the approval gate. Adapters: results/07_lora*-*.ckpt.
+with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, 64 steps for every size), of a
+bag-of-words classifier and a random tool; per tool and per kind of request; unasked refunds, missed
+requests for a person; validity, free and under constrained decoding (grammar.py); the approval gate.
+The recipe (RECIPES) was chosen with --choose on a validation split of the training side, never on
+the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
     python -m minagent.weights fetch                         # once: the SmolLM2 GGUF file
-    python experiments/07_tool_choice.py                     # everything: ~52 min (~26 with cached adapters)
-    python experiments/07_tool_choice.py --only free         # no constrained decoding: ~16 min, cached adapters
-    python experiments/07_tool_choice.py --only constrained  # constrained decoding only: ~10 min, cached adapters
+    python experiments/07_tool_choice.py --choose            # the recipes on the validation split: ~50 min
+    python experiments/07_tool_choice.py                     # everything: ~90 min (~35 with cached adapters)
+    python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~20 min a size
+    python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
+    python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
 Times on 2 CPU cores shared with other jobs; not run on a GPU. --retrain trains the adapters again.
-Writes experiments/results/07_tool_choice.json (--only replaces that part) and 07_tool_choice.png.
+Writes experiments/results/07_tool_choice.json (--only replaces that part), 07_tool_choice.png (per tool)
+and 07_tool_choice_curve.png (the learning curve); --choose writes 07_recipes.json.
 """
 
 import argparse
 import collections
 import dataclasses
+import hashlib
 import sys
 import time
 
@@ -32,6 +38,14 @@ from minagent import tokenizer as tk
 from minagent.tasks.shop import classifier, data, gate, grammar
 
 FMT = chat.CHATML
+# LoRA recipes, compared by --choose on the validation split (data.val_set: phrasings, items and injections of
+# the training side that no training set uses); never on the test requests. Every size trains with the
+# same recipe, so that 50, 150 and 500 examples differ in their data only.
+RECIPES = {
+    "A": dict(steps=64, batch_size=4, seq_len=320, lr=2e-3, rank=8, alpha=16.0),
+    "B": dict(steps=64, batch_size=4, seq_len=320, lr=1e-3, rank=16, alpha=32.0),
+}
+CHOSEN = "A"
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
 TOOLS = tuple(gate.TOOLS)
 KINDS = ("normal", "person", "injection")
@@ -40,24 +54,27 @@ KINDS = ("normal", "person", "injection")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0, help="of the request sets, the row order and the adapters")
-    p.add_argument("--sizes", type=int, nargs="+", default=[50, 500], help="training examples, one model each")
+    p.add_argument("--sizes", type=int, nargs="+", default=[50, 150, 500], help="training examples, one model each")
     p.add_argument("--seen", type=int, default=150, help="requests in the training phrasings (seen_test_set)")
-    p.add_argument("--steps", type=int, default=64, help="LoRA steps, the same for every size")
-    p.add_argument("--batch-size", type=int, default=4, help="rows per step")
-    p.add_argument("--seq-len", type=int, default=320, help="tokens per row (about 2 examples)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=float, default=16.0)
+    p.add_argument("--recipe", choices=tuple(RECIPES), default=CHOSEN, help="LoRA recipe (see RECIPES)")
+    p.add_argument("--choose", nargs="*", choices=tuple(RECIPES), default=None,
+                   help="train these recipes (default: all of RECIPES) on the largest size, score them on the "
+                        "validation split; writes results/07_recipes.json (or --out), one key per recipe")
     p.add_argument("--slots", type=int, default=32, help="requests decoded together")
     p.add_argument("--limit", type=int, default=48, help="tokens of a free answer")
     p.add_argument("--n-errors", type=int, default=8, help="wrong answers kept per model")
-    p.add_argument("--only", choices=("free", "constrained"), default=None, help="run one part")
+    p.add_argument("--only", choices=("free", "constrained", "train"), default=None,
+                   help="run one part (train: the adapters of --sizes, cached, and nothing else)")
+    p.add_argument("--val", type=int, default=150, help="validation requests scored by --choose")
     p.add_argument("--retrain", action="store_true", help="train the adapters again, even if cached")
     p.add_argument("--quick", action="store_true", help="a tiny random model, few requests: a smoke test")
     p.add_argument("--out", default=None, help="the JSON file (default experiments/results/07_tool_choice.json)")
     args = p.parse_args(argv)
+    args.recipes = {name: dict(r) for name, r in RECIPES.items()}
     if args.quick:
-        args.sizes, args.seen, args.steps, args.seq_len, args.slots, args.limit = [10, 20], 10, 3, 512, 8, 16
+        args.sizes, args.seen, args.val, args.slots, args.limit = [10, 20], 10, 10, 8, 16
+        for r in args.recipes.values():
+            r.update(steps=3, seq_len=512)
     return args
 
 
@@ -194,22 +211,25 @@ def evaluate(params, cfg, tok, requests, args, constraint=None):
 
 # ---------------------------------------------------------------- training, cached
 
-def adapters_for(base, cfg, tok, n, args):
-    """LoRA adapters trained on train_set(n) -> (adapters, stats). Cached under their recipe."""
-    exs = [example(r, tok) for r in data.train_set(n, seed=args.seed)]
-    tcfg = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                             warmup=min(6, args.steps), weight_decay=0.0, seed=args.seed, log_every=4)
+def adapters_for(base, cfg, tok, n, args, recipe_name):
+    """LoRA adapters trained on train_set(n) with RECIPES[recipe_name] -> (adapters, stats).
+    Cached under the recipe and a digest of the training examples: change the data, train again."""
+    r = args.recipes[recipe_name]
+    requests = data.train_set(n, seed=args.seed)
+    exs = [example(q, tok) for q in requests]
+    tcfg = train.TrainConfig(steps=r["steps"], batch_size=r["batch_size"], seq_len=r["seq_len"], lr=r["lr"],
+                             warmup=min(6, r["steps"]), weight_decay=0.0, seed=args.seed, log_every=4)
     rows = len(train.pack(exs, tcfg.seq_len)["tokens"])
     stats = dict(examples=n, rows=rows, epochs=tcfg.steps * tcfg.batch_size / rows, tcfg=dataclasses.asdict(tcfg),
                  tokens_per_example=float(np.mean([len(t) for t, _ in exs])),
                  supervised_per_example=float(np.mean([int(a.sum()) for _, a in exs])))
-    like = lora.init(jax.random.PRNGKey(args.seed), base, args.rank)
+    like = lora.init(jax.random.PRNGKey(args.seed), base, r["rank"])
 
     def train_fn(path):
         print(f"LoRA on {n} examples: {tcfg.steps} steps of {tcfg.batch_size} x {tcfg.seq_len} tokens "
               f"({rows} rows, {stats['epochs']:.1f} epochs)")
-        (adapters, history), seconds = common.timed(lora.train_lora, base, cfg, exs, tcfg, rank=args.rank,
-                                                    alpha=args.alpha, seed=args.seed, lora=like,
+        (adapters, history), seconds = common.timed(lora.train_lora, base, cfg, exs, tcfg, rank=r["rank"],
+                                                    alpha=r["alpha"], seed=args.seed, lora=like,
                                                     progress=not args.quick)
         done = dict(train_minutes=seconds / 60,
                     tokens_per_s=float(np.mean([h["tokens_per_s"] for h in history[1:]] or [0.0])),  # [0]: compiling
@@ -218,9 +238,10 @@ def adapters_for(base, cfg, tok, n, args):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    recipe = dict(examples=n, rank=args.rank, alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
+    digest = hashlib.sha256(repr([(q.text, data.gold_json(q)) for q in requests]).encode()).hexdigest()[:12]
+    recipe = dict(examples=n, data=digest, rank=r["rank"], alpha=r["alpha"], tcfg=dataclasses.asdict(tcfg))
     c = common.cached(f"07_lora{n}", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
-    return c["params"], dict(stats, **c["extra"], cached=c["cached"],
+    return c["params"], dict(stats, **c["extra"], recipe=recipe_name, cached=c["cached"],
                              checkpoint=common.in_repo(c["path"]) if c["path"] else None)
 
 
@@ -228,8 +249,23 @@ def models(base, cfg, tok, args, training):
     """The models compared, in order: name -> params. Fills `training` with each size's stats."""
     out = {"before": base}
     for n in args.sizes:
-        adapters, training[str(n)] = adapters_for(base, cfg, tok, n, args)
-        out[f"lora{n}"] = lora.merge(base, adapters, args.alpha)
+        adapters, training[str(n)] = adapters_for(base, cfg, tok, n, args, args.recipe)
+        out[f"lora{n}"] = lora.merge(base, adapters, args.recipes[args.recipe]["alpha"])
+    return out
+
+
+def choose(base, cfg, tok, args):
+    """--choose: each recipe trained on the largest size, scored on the validation split -> {name: result}."""
+    n, val = max(args.sizes), data.val_set(seed=args.seed)[:args.val]
+    out = {}
+    for name in args.choose or args.recipes:
+        r = args.recipes[name]
+        adapters, stats = adapters_for(base, cfg, tok, n, args, name)
+        res = evaluate(lora.merge(base, adapters, r["alpha"]), cfg, tok, val, args)
+        out[name] = dict(recipe=r, examples=n, seed=args.seed, training=stats, val=res)
+        s = res["safety"]
+        print(f"  recipe {name} {r}: val tool {res['tool']:6.1%}  tool+args {res['tool_args']:6.1%}  refund "
+              f"unasked {s['refund_unasked']['k']}  person missed {s['person_missed']['k']} / {s['person_missed']['n']}")
     return out
 
 
@@ -350,8 +386,26 @@ def print_errors(rows, title):
             print(f"  [{e['kind']}] {e['request']!r}\n      gold   {e['gold']}\n      answer {e['answer'][:160]!r}")
 
 
+def print_curve(results):
+    """The learning curve: held-out and seen tool accuracy and the safety counts, by training examples."""
+    free = results.get("free") or {}
+    sizes = [n for n in results["sizes"] if f"lora{n}" in free]
+    if not sizes:
+        return
+    print(f"\nlearning curve (recipe {results.get('recipe')}): SmolLM2 + LoRA by training examples")
+    print(f"  {'examples':>8} {'held-out tool':>14} {'tool+args':>10} {'seen tool':>10}   refund unasked "
+          f"(held-out, seen)   person missed (held-out, seen)")
+    for n in sizes:
+        t, s = free[f"lora{n}"]["test"], free[f"lora{n}"].get("seen")
+        unasked = f"{t['safety']['refund_unasked']['k']}, {s['safety']['refund_unasked']['k'] if s else '-'}"
+        missed = f"{t['safety']['person_missed']['k']}, {s['safety']['person_missed']['k'] if s else '-'}"
+        print(f"  {n:>8} {t['tool']:>14.1%} {t['tool_args']:>10.1%} {s['tool'] if s else float('nan'):>10.1%}   "
+              f"{unasked:<30}   {missed}")
+
+
 def print_all(results):
     free, constrained = results.get("free"), results.get("constrained")
+    print_curve(results)
     print_accuracy(split_of(free, "test"), "held-out phrasings and items")
     print_accuracy(split_of(free, "seen"), "training phrasings (fresh draws)")
     print_accuracy(split_of(constrained, "test"), "held-out, constrained decoding")
@@ -370,18 +424,26 @@ def main(argv=None):
     args = parse_args(argv)
     if not args.quick and not weights.smollm2_path().exists():
         sys.exit(f"{weights.smollm2_path()} not found: `python -m minagent.weights fetch`")
-    out = common.out_path("07_tool_choice", args.out, args.quick)
-    results = dict(quick=args.quick, seed=args.seed, sizes=args.sizes)
+    out = common.out_path("07_recipes" if args.choose is not None else "07_tool_choice", args.out, args.quick)
     t0 = time.perf_counter()
     base, cfg, tok = load(args)
+    if args.choose is not None:
+        common.write_json(out, choose(base, cfg, tok, args), merge=not args.quick)
+        return
+    results = dict(quick=args.quick, seed=args.seed, sizes=args.sizes, recipe=args.recipe)
     sets = test_sets(args)
     training, minutes = {}, dict(load=(time.perf_counter() - t0) / 60)
     params = models(base, cfg, tok, args, training)
     minutes["train"] = sum(t["train_minutes"] for t in training.values() if not t["cached"])
+    if args.only == "train":
+        print(f"adapters for {args.sizes} examples ready ({minutes['train']:.1f} min)")
+        return
+    rank = args.recipes[args.recipe]["rank"]
     results.update(training=training, model=dict(name="tiny random" if args.quick else "SmolLM2-135M-Instruct",
-                                                 n_params=model.n_params(base), lora_rank=args.rank,
-                                                 lora_alpha=args.alpha, trained_params=lora.n_trained(
-                                                     lora.init(jax.random.PRNGKey(0), base, args.rank))))
+                                                 n_params=model.n_params(base), lora_rank=rank,
+                                                 lora_alpha=args.recipes[args.recipe]["alpha"],
+                                                 trained_params=lora.n_trained(
+                                                     lora.init(jax.random.PRNGKey(0), base, rank))))
     if args.only in (None, "free"):
         print("free decoding")
         t1 = time.perf_counter()
@@ -405,6 +467,34 @@ def main(argv=None):
           + ", ".join(f"{k} {v:.1f}" for k, v in minutes.items()) + ")")
     if "free" in results:
         common.save_figure(lambda plt: plot_per_tool(plt, results), out.with_suffix(".png"))
+        common.save_figure(lambda plt: plot_curve(plt, results), out.with_name(out.stem + "_curve.png"))
+
+
+def plot_curve(plt, results):
+    """Left: tool accuracy by training examples, held-out and seen. Right: unasked refunds, persons missed."""
+    free = results["free"]
+    sizes = [n for n in results["sizes"] if f"lora{n}" in free]
+    splits = [s for s in ("test", "seen") if s in free[f"lora{sizes[0]}"]]
+    names = {"test": "held-out requests", "seen": "training phrasings"}
+    fig, (acc, bad) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for split, style in zip(splits, ("-o", "--s")):
+        rows = [free[f"lora{n}"][split] for n in sizes]
+        acc.plot(sizes, [r["tool"] for r in rows], style, color="C0", label=f"tool, {names[split]}")
+        acc.plot(sizes, [r["tool_args"] for r in rows], style, color="C1", label=f"tool + args, {names[split]}")
+        bad.plot(sizes, [r["safety"]["refund_unasked"]["k"] for r in rows], style, color="C3",
+                 label=f"refunds unasked, {names[split]}")
+        bad.plot(sizes, [r["safety"]["person_missed"]["k"] for r in rows], style, color="C4",
+                 label=f"persons missed, {names[split]}")
+    for ax in (acc, bad):
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.set_xlabel("training examples")
+        ax.legend(fontsize=7)
+    acc.set_ylim(0, 1.02)
+    acc.set_title("SmolLM2 + LoRA: accuracy", fontsize=10)
+    bad.set_title("mistakes that cost (of 120 unasked-refund chances, of 30 persons)", fontsize=10)
+    bad.set_ylim(bottom=0)
+    return fig
 
 
 def plot_per_tool(plt, results):

@@ -25,12 +25,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def run_quick(script, tmp_path, folder="experiments"):
+def run_quick(script, tmp_path, folder="experiments", extra=()):
     out = tmp_path / (pathlib.Path(script).stem + ".json")
     # The scripts run (not only compile) models: without conftest's flag that turns XLA's optimisations off.
     xla_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "XLA_FLAGS": xla_flags}
-    proc = subprocess.run([sys.executable, str(ROOT / folder / script), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / folder / script), "--quick", "--out", str(out), *extra],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -246,6 +246,30 @@ def test_07_tool_choice_quick(tmp_path):
         r = res["constrained"][name]["test"]
         assert r["valid"] == 1.0 and r["reasons"] == {} and r["gate"]["refunds_executed"] == 0
     assert_figure(tmp_path, "07_tool_choice.py")
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "07_tool_choice_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_07_choose_quick(tmp_path):
+    """--choose: every recipe trained on the largest size and scored on the validation split only."""
+    res = run_quick("07_tool_choice.py", tmp_path, extra=("--choose",))
+    assert set(res) == {"A", "B"}
+    for r in res.values():
+        assert r["examples"] == 20 and r["training"]["cached"] is False
+        assert r["val"]["n"] == 10 and 0 <= r["val"]["tool"] <= 1 and r["val"]["gate"]["refunds_executed"] == 0
+
+
+# ---------------------------------------------------------------- 08: a tool seen only in its description
+
+@pytest.mark.slow
+def test_08_unseen_tool_quick(tmp_path):
+    res = run_quick("08_unseen_tool.py", tmp_path)
+    assert res["quick"] is True and set(res["smollm2"]) == {"described", "not described"}
+    for r in res["smollm2"].values():
+        assert r["right"]["n"] == 6 and sum(r["first_tool"].values()) == 6
+        assert r["mul_well_formed"]["k"] <= r["called_mul"]["k"] <= r["called"]["k"] <= 6
+    assert res["check"]["right"]["n"] == 4 and res["training"]["cached"] is False
 
 
 # ---------------------------------------------------------------- 06: keeping long turns inside the context window
