@@ -263,11 +263,11 @@ def _rng(kind, split, seed, i):
     return random.Random(f"{kind}/{split}/{seed}/{i}")     # str seeds are hashed with sha512: stable across runs
 
 
-def generate(n, seed, split="train", families=None, fmt=chat.MINAGENT):
+def generate(n, seed, split="train", families=None, fmt=chat.MINAGENT, system=None):
     """n missions; mission i is of family families[i % len(families)].
 
     Repeat a family in `families` to weight it: families=("add", "add", "direct")
-    makes two additions for each direct question.
+    makes two additions for each direct question. system: a system text for every prompt.
     """
     families = tuple(families or FAMILIES)
     unknown = set(families) - set(FAMILIES)
@@ -275,7 +275,8 @@ def generate(n, seed, split="train", families=None, fmt=chat.MINAGENT):
         raise ValueError(f"unknown families {sorted(unknown)}; there are {FAMILIES}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
-    return [_mission(families[i % len(families)], _rng("mission", split, seed, i), split, fmt) for i in range(n)]
+    return [_mission(families[i % len(families)], _rng("mission", split, seed, i), split, fmt, system=system)
+            for i in range(n)]
 
 
 def additions(n, seed, fmt=chat.MINAGENT, split="test"):
@@ -284,10 +285,10 @@ def additions(n, seed, fmt=chat.MINAGENT, split="test"):
     return [_mission("add", _rng("additions", split, seed, i), split, fmt, values=four) for i in range(n)]
 
 
-def unseen_mul(n, seed, fmt=chat.MINAGENT):
+def unseen_mul(n, seed, fmt=chat.MINAGENT, system=MUL_SYSTEM):
     """n multiplications of two 2-digit numbers, for the tool never shown in training.
 
-    The prompt describes the tool (MUL_SYSTEM as the system text); the gold trace
-    calls `mul A B`. For evaluation only.
+    The prompt's system text (MUL_SYSTEM unless told) describes the tool, or not (a control);
+    the gold trace calls `mul A B`. For evaluation only.
     """
-    return [_mission("mul", _rng("mul", "test", seed, i), "test", fmt, system=MUL_SYSTEM) for i in range(n)]
+    return [_mission("mul", _rng("mul", "test", seed, i), "test", fmt, system=system) for i in range(n)]
