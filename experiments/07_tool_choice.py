@@ -487,6 +487,7 @@ def plot_curve(plt, results):
                  label=f"persons missed, {names[split]}")
     for ax in (acc, bad):
         ax.set_xscale("log")
+        ax.minorticks_off()
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_xlabel("training examples")
         ax.legend(fontsize=7)
