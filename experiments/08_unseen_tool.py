@@ -11,7 +11,7 @@ For each: how often it calls mul, calls it well-formed (`mul A B` with the quest
 answers right; which tool it reaches for first; the budget it spends.
 
     python -m minagent.weights fetch              # once: the SmolLM2 GGUF file
-    python experiments/08_unseen_tool.py          # ~25 min on 2 CPU cores (~12 with cached adapters)
+    python experiments/08_unseen_tool.py          # 76 min, 64 of them training (~12 with cached adapters)
     python experiments/08_unseen_tool.py --quick  # a tiny random model, few questions: a smoke test
 Times on 2 CPU cores shared with other jobs; not run on a GPU. Writes experiments/results/08_unseen_tool.json;
 the adapters: results/08_lora-*.ckpt (git-ignored), trained again when the recipe changes.
