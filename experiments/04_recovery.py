@@ -88,26 +88,20 @@ class Runner:
         return records
 
 
-# ---------------------------------------------------------------- counting
-
-def frac(k, n):
-    """A count and what it is out of: frac(3, 4) -> {"k": 3, "n": 4, "rate": 0.75} (rate None when n == 0)."""
-    return dict(k=int(k), n=int(n), rate=k / n if n else None)
-
-
 def is_error(result):
     return result.startswith("error:")
 
 
 def right(records, ms):
-    return frac(sum(r.answer == m.answer for r, m in zip(records, ms)), len(ms))
+    return common.count(sum(r.answer == m.answer for r, m in zip(records, ms)), len(ms))
 
 
 def budget(records):
     """Calls per episode and budget exhaustions."""
     statuses = collections.Counter(r.status for r in records)
     return dict(calls_per_episode=sum(len(r.calls) for r in records) / max(len(records), 1),
-                stretch=frac(statuses["stretch"], len(records)), calls=frac(statuses["calls"], len(records)))
+                stretch=common.count(statuses["stretch"], len(records)),
+                calls=common.count(statuses["calls"], len(records)))
 
 
 def own_mistakes(records, ms):
@@ -117,8 +111,9 @@ def own_mistakes(records, ms):
     def recovered(r):   # a call that worked after its first mistake
         first = next(i for i, (_, res) in enumerate(r.calls) if is_error(res) and res != BUSY)
         return any(not is_error(res) for _, res in r.calls[first + 1:])
-    return dict(episodes=frac(len(hit), len(records)), recovered=frac(sum(recovered(r) for r, _ in hit), len(hit)),
-                right=frac(sum(r.answer == m.answer for r, m in hit), len(hit)),
+    return dict(episodes=common.count(len(hit), len(records)),
+                recovered=common.count(sum(recovered(r) for r, _ in hit), len(hit)),
+                right=common.count(sum(r.answer == m.answer for r, m in hit), len(hit)),
                 errors=dict(collections.Counter(_error_kind(res) for r, _ in hit for _, res in r.calls
                                                 if is_error(res) and res != BUSY).most_common(8)))
 
@@ -144,13 +139,13 @@ def transient(run, tok, args, split):
     again = [(r, m) for r, m in hit if len(r.calls) > 1]
     return dict(
         right_plain=right(plain, ms), right_fail_first=right(busy, ms),
-        busy=frac(len(hit), len(ms)),                                                # made a call at all
-        called_again=frac(len(again), len(hit)),
-        same_call_again=frac(sum(r.calls[1][0] == r.calls[0][0] for r, _ in again), len(hit)),
-        right_after_busy=frac(sum(r.answer == m.answer for r, m in hit), len(hit)),
-        right_same_call=frac(sum(r.answer == m.answer for r, m in again if r.calls[1][0] == r.calls[0][0]),
+        busy=common.count(len(hit), len(ms)),                                                # made a call at all
+        called_again=common.count(len(again), len(hit)),
+        same_call_again=common.count(sum(r.calls[1][0] == r.calls[0][0] for r, _ in again), len(hit)),
+        right_after_busy=common.count(sum(r.answer == m.answer for r, m in hit), len(hit)),
+        right_same_call=common.count(sum(r.answer == m.answer for r, m in again if r.calls[1][0] == r.calls[0][0]),
                              sum(r.calls[1][0] == r.calls[0][0] for r, _ in again)),
-        busy_in_answer=frac(sum("busy" in r.answer or "error" in r.answer for r, _ in hit), len(hit)),
+        busy_in_answer=common.count(sum("busy" in r.answer or "error" in r.answer for r, _ in hit), len(hit)),
         budget_plain=budget(plain), budget_fail_first=budget(busy), examples=transcripts(busy, tok, args.examples),
         _records=(plain + busy, ms + ms))
 
@@ -173,11 +168,11 @@ def malformed(run, tok, args, split):
         by_tool[m.calls[0].split()[0] if m.calls[0].split() else ""].append(r.answer == m.answer)
     return dict(
         right_without_mistake=right(clean, ms), right=right(fixed, ms),
-        called_after_error=frac(len(called), len(ms)),
-        first_call_ok=frac(sum(not is_error(r.calls[0][1]) for r, _ in called), len(ms)),
-        first_call_gold=frac(sum(r.calls[0][0] == m.calls[1] for r, m in called), len(ms)),
-        repeated_mistake=frac(sum(r.calls[0][0] == m.calls[0] for r, m in called), len(ms)),
-        right_by_mistaken_tool={t: frac(sum(v), len(v)) for t, v in sorted(by_tool.items())},
+        called_after_error=common.count(len(called), len(ms)),
+        first_call_ok=common.count(sum(not is_error(r.calls[0][1]) for r, _ in called), len(ms)),
+        first_call_gold=common.count(sum(r.calls[0][0] == m.calls[1] for r, m in called), len(ms)),
+        repeated_mistake=common.count(sum(r.calls[0][0] == m.calls[0] for r, m in called), len(ms)),
+        right_by_mistaken_tool={t: common.count(sum(v), len(v)) for t, v in sorted(by_tool.items())},
         budget=budget(fixed), budget_without_mistake=budget(clean), examples=transcripts(fixed, tok, args.examples),
         _records=(fixed + clean, ms + ms))
 
@@ -196,17 +191,17 @@ def unseen(run, tok, args):
     a_b = [tuple(int(x) for x in m.calls[0].split()[1:]) for m in ms]
     return dict(
         right=right(records, ms),
-        called=frac(sum(bool(r.calls) for r in records), len(ms)),
-        called_mul=frac(len(mul), len(ms)),
-        mul_correct=frac(sum(m.calls[0] in [c for c, _ in r.calls] for r, m in mul), len(ms)),
-        answered_sum=frac(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), len(ms)),
+        called=common.count(sum(bool(r.calls) for r in records), len(ms)),
+        called_mul=common.count(len(mul), len(ms)),
+        mul_correct=common.count(sum(m.calls[0] in [c for c, _ in r.calls] for r, m in mul), len(ms)),
+        answered_sum=common.count(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), len(ms)),
         answers=dict(collections.Counter(r.answer for r in records).most_common(5)),
         tools_called=dict(collections.Counter(n for r in records for n in names(r)).most_common()),
         first_tool=first_tool(records), budget=budget(records), examples=transcripts(records, tok, args.examples),
         examples_with_calls=transcripts([r for r in records if r.calls], tok, args.examples),
-        without_description=dict(right=right(bare, ms), called=frac(sum(bool(r.calls) for r in bare), len(ms)),
-                                 called_mul=frac(sum("mul" in names(r) for r in bare), len(ms)),
-                                 answered_sum=frac(sum(r.answer == str(a + b) for r, (a, b) in zip(bare, a_b)),
+        without_description=dict(right=right(bare, ms), called=common.count(sum(bool(r.calls) for r in bare), len(ms)),
+                                 called_mul=common.count(sum("mul" in names(r) for r in bare), len(ms)),
+                                 answered_sum=common.count(sum(r.answer == str(a + b) for r, (a, b) in zip(bare, a_b)),
                                                    len(ms)),
                                  first_tool=first_tool(bare), budget=budget(bare)),
         _records=(records + bare, ms + ms))

@@ -108,21 +108,18 @@ def adapters_for(base, cfg, tok, fmt, new_rows, args):
                              tcfg=dataclasses.asdict(tcfg), checkpoint=common.in_repo(c["path"]) if c["path"] else None)
 
 
-def count(k, n):
-    return dict(k=int(k), n=int(n), rate=k / n if n else None)
-
-
 def score(records, ms, tok, n_examples):
     """What the model did with each mul question."""
     names = [[c.split()[0] if c.split() else "" for c, _ in r.calls] for r in records]
     a_b = [tuple(int(x) for x in m.calls[0].split()[1:]) for m in ms]
     n = len(ms)
     return dict(
-        right=count(sum(r.answer == m.answer for r, m in zip(records, ms)), n),
-        called=count(sum(bool(r.calls) for r in records), n),
-        called_mul=count(sum("mul" in ns for ns in names), n),
-        mul_well_formed=count(sum(m.calls[0] in [c.strip() for c, _ in r.calls] for r, m in zip(records, ms)), n),
-        answered_sum=count(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), n),
+        right=common.count(sum(r.answer == m.answer for r, m in zip(records, ms)), n),
+        called=common.count(sum(bool(r.calls) for r in records), n),
+        called_mul=common.count(sum("mul" in ns for ns in names), n),
+        mul_well_formed=common.count(sum(m.calls[0] in [c.strip() for c, _ in r.calls]
+                                         for r, m in zip(records, ms)), n),
+        answered_sum=common.count(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), n),
         first_tool=dict(collections.Counter(ns[0] if ns else "(no call)" for ns in names).most_common()),
         calls_per_episode=float(np.mean([len(r.calls) for r in records])),
         statuses=dict(collections.Counter(r.status for r in records)),
@@ -183,8 +180,8 @@ def main(argv=None):
     check = missions.additions(args.check, seed=args.seed + 2, fmt=fmt, split="test")
     check = [dataclasses.replace(m, trace=(chat.prompt(fmt, m.question, FOUR),) + m.trace[1:]) for m in check]
     records = run(params, cfg, tok, fmt, check, args)
-    res["check"] = dict(right=count(sum(r.answer == m.answer for r, m in zip(records, check)), len(check)),
-                        called_add=count(sum(m.calls[0] in [c.strip() for c, _ in r.calls]
+    res["check"] = dict(right=common.count(sum(r.answer == m.answer for r, m in zip(records, check)), len(check)),
+                        called_add=common.count(sum(m.calls[0] in [c.strip() for c, _ in r.calls]
                                              for r, m in zip(records, check)), len(check)))
     res["small_model"] = None if args.quick else small_model_row()
     res["minutes"] = (time.perf_counter() - t0) / 60

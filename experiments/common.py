@@ -31,6 +31,11 @@ def in_repo(path):
 
 # ---------------------------------------------------------------- results
 
+def count(k, n):
+    """A count and what it is out of: count(3, 4) -> {"k": 3, "n": 4, "rate": 0.75} (rate None when n == 0)."""
+    return dict(k=int(k), n=int(n), rate=k / n if n else None)
+
+
 def out_path(name, out=None, quick=False):
     """Where a run writes its JSON, and its figures beside it: --out if given, else results/NAME.json.
     A --quick run defaults to a temporary folder: a smoke test never overwrites the committed results."""
