@@ -202,7 +202,7 @@ def test_batch_constrained_rows_validate_and_free_rows_unchanged(temperature):
     validate; the free one writes exactly what it writes in a batch without any constraint."""
     prompts = [TOK.encode(r.text) for r in shop_data.test_set(0)[:4]]
     limit = constrain.max_chars() + 1
-    kw = dict(slots=4, n_pages=4 * 4 + 1, page_size=64, max_len=256, stop_tokens=[END], temperature=temperature)
+    kw = dict(slots=4, n_pages=4 * 5 + 1, page_size=64, max_len=320, stop_tokens=[END], temperature=temperature)
     batch = Batch(PARAMS, CFG, **kw)
     ids = [batch.add(p, limit, mask=C if i < 3 else None) for i, p in enumerate(prompts)]
     run(batch)
@@ -262,8 +262,8 @@ def test_constrained_warmup_leaves_nothing_to_compile():
     sequences then compiles nothing."""
     prompts = [TOK.encode(r.text) for r in shop_data.test_set(0)[:6]]
     limit = constrain.max_chars() + 1
-    batch = Batch(PARAMS, CFG, slots=3, n_pages=3 * 4 + 1, page_size=64, max_len=256, stop_tokens=[END],
-                  buckets=(64, 256))
+    batch = Batch(PARAMS, CFG, slots=3, n_pages=3 * 5 + 1, page_size=64, max_len=320, stop_tokens=[END],
+                  buckets=(64, 320))
     batch.warmup(masked=True)
     warm = batch.compiles
     ids = [batch.add(p, limit, mask=C if i % 2 else None) for i, p in enumerate(prompts)]
