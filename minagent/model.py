@@ -182,8 +182,8 @@ def forward(params, cfg, tokens_BxT, positions_BxT=None, segments_BxT=None):
     """Logits for every position of whole sequences (training, evaluation, references).
 
     segments_BxT: optional ids of the documents packed into one row; a position
-    attends only to earlier positions of its own segment. Pass positions that
-    restart at 0 for each segment (see train.pack).
+    attends only to earlier positions of its own segment, and of segment -1, a
+    prefix they share. Pass positions that restart for each segment (train.pack).
     """
     B, T = tokens_BxT.shape
     if positions_BxT is None:
@@ -191,7 +191,8 @@ def forward(params, cfg, tokens_BxT, positions_BxT=None, segments_BxT=None):
     causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
     mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
     if segments_BxT is not None:
-        mask_BxTxS = mask_BxTxS & (segments_BxT[:, :, None] == segments_BxT[:, None, :])
+        same = (segments_BxT[:, :, None] == segments_BxT[:, None, :]) | (segments_BxT[:, None, :] == -1)
+        mask_BxTxS = mask_BxTxS & same
 
     def layer(x_BxTxD, lp):
         q, k, v = qkv(lp, cfg, x_BxTxD, positions_BxT)

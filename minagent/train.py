@@ -56,7 +56,7 @@ class TrainConfig:
 
 # ---------------------------------------------------------------- data
 
-def pack(examples, seq_len, pad_id=0):
+def pack(examples, seq_len, pad_id=0, prefix=()):
     """Pack (tokens_T, authors_T) traces into rows of seq_len tokens.
 
     First fit, in order: each trace goes whole into the first row with room, else a new
@@ -71,36 +71,42 @@ def pack(examples, seq_len, pad_id=0):
     Example, seq_len 6, traces [a b c] and [d e] (authors all 1):
         tokens [a b c d e _]  targets [b c _ e _ _]  mask [1 1 0 1 0 0]
         positions [0 1 2 0 1 0]  segments [1 1 1 2 2 0]
+
+    prefix: tokens every trace starts with (a system prompt), held once a row as segment -1, which
+    the row's later positions all see (model.forward); the traces follow without it, positions going
+    on from len(prefix). Same logits and loss, more traces a row (a long prompt: ~2x, tested).
     """
-    rows, room = [], np.zeros(0, dtype=np.int64)   # the traces in each row, the space left in it
+    P, rows, room = len(prefix), [], np.zeros(0, dtype=np.int64)   # traces in each row, space left
     for i, (tokens, authors) in enumerate(examples):
-        n = len(tokens)
-        if len(authors) != n:
-            raise ValueError(f"trace {i} has {n} tokens but {len(authors)} authors")
-        if n > seq_len:
-            raise ValueError(f"trace {i} has {n} tokens, more than seq_len={seq_len}; "
-                             f"raise seq_len or shorten the trace (traces are never split)")
+        n = len(tokens) - P
+        if len(authors) != len(tokens):
+            raise ValueError(f"trace {i} has {len(tokens)} tokens but {len(authors)} authors")
+        if list(tokens[:P]) != list(prefix) or (P and n and authors[P]):
+            raise ValueError(f"trace {i} does not start with the prefix, then a token the model did not write")
+        if n + P > seq_len:
+            raise ValueError(f"trace {i} has {n + P} tokens, more than seq_len={seq_len} (traces are never split)")
         fits = np.flatnonzero(room >= n)
         if len(fits):
             rows[fits[0]].append(i)
             room[fits[0]] -= n
         else:
             rows.append([i])
-            room = np.append(room, seq_len - n)
+            room = np.append(room, seq_len - P - n)
 
     R, T = len(rows), seq_len
     out = dict(tokens=np.full((R, T), pad_id, np.int32), targets=np.full((R, T), pad_id, np.int32),
                mask=np.zeros((R, T), np.float32), positions=np.zeros((R, T), np.int32),
                segments=np.zeros((R, T), np.int32))
     for r, members in enumerate(rows):
-        start = 0
+        out["tokens"][r, :P], out["positions"][r, :P], out["segments"][r, :P] = prefix, np.arange(P), -1
+        start = P
         for segment, i in enumerate(members, start=1):
-            tokens, authors = (np.asarray(a) for a in examples[i])
+            tokens, authors = (np.asarray(a)[P:] for a in examples[i])
             end = start + len(tokens)
             out["tokens"][r, start:end] = tokens
             out["targets"][r, start:end - 1] = tokens[1:]
             out["mask"][r, start:end - 1] = authors[1:] != 0     # the model wrote the target
-            out["positions"][r, start:end] = np.arange(len(tokens))
+            out["positions"][r, start:end] = P + np.arange(len(tokens))
             out["segments"][r, start:end] = segment
             start = end
     return out
@@ -124,8 +130,7 @@ def _row_stream(n_rows, seed):
 def token_nll(logits_BxTxV, targets_BxT):
     """-log softmax(logits)[target] = logsumexp(logits) - logits[target], in nats, at every position.
 
-    The second form skips building the [B, T, V] log-probabilities, which with SmolLM2's
-    49,152-token vocabulary are the largest array of the step.
+    The second form skips the [B, T, V] log-probabilities, the step's largest array (49,152 words: SmolLM2).
     """
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
@@ -135,8 +140,7 @@ def token_nll(logits_BxTxV, targets_BxT):
 def masked_mean(nll_BxT, mask_BxT):
     """-> (mean of nll over the positions where mask is 1, how many those are).
 
-    `where` rather than `nll * mask`: a position outside the mask adds exactly 0
-    even if its nll were inf, and its gradient is exactly 0 (a test checks this).
+    `where`, not `nll * mask`: outside the mask a position adds exactly 0, even an inf, and gets gradient 0.
     """
     n_supervised = mask_BxT.sum()
     total = jnp.where(mask_BxT > 0, nll_BxT, 0.0).sum()
@@ -150,12 +154,9 @@ def loss_fn(params, cfg, batch):
 
 
 def nats_per_byte(total_nats, targets_BxT, mask_BxT, bytes_per_token_V):
-    """Summed nats over the supervised targets / their length in UTF-8 bytes.
-
-    Per token depends on the tokenizer; per byte does not, so it compares models
-    with different vocabularies. bytes_per_token_V[i] is the byte length of
-    token i's text, e.g. `[len(tok.piece(i)) for i in range(tok.n_vocab)]`
-    (pieces are bytes); give special tokens 0 to count only the text.
+    """Summed nats over the supervised targets / their length in UTF-8 bytes: unlike per token, it
+    compares models with different vocabularies. bytes_per_token_V[i]: token i's length in bytes, e.g.
+    `[len(tok.piece(i)) for i in range(tok.n_vocab)]`; give special tokens 0 to count only the text.
     """
     n_bytes = (np.asarray(bytes_per_token_V)[np.asarray(targets_BxT)] * np.asarray(mask_BxT)).sum()
     return float(total_nats) / float(n_bytes)
@@ -166,8 +167,7 @@ def nats_per_byte(total_nats, targets_BxT, mask_BxT, bytes_per_token_V):
 def lr_schedule(tcfg):
     """step -> learning rate: linear warm-up to lr, then cosine down to lr * min_lr_ratio.
 
-    Step 0 already gets lr / warmup (not 0: a step with lr 0 would be wasted);
-    step warmup - 1 gets lr, and the cosine reaches its floor at step `steps`.
+    Step 0 already gets lr / warmup (lr 0 would waste a step); step warmup - 1 gets lr; the floor at `steps`.
     """
     lr, min_lr, warmup = tcfg.lr, tcfg.lr * tcfg.min_lr_ratio, max(tcfg.warmup, 1)
 
@@ -200,9 +200,8 @@ def make_optimizer(tcfg):
 def make_train_step(cfg, optimizer, loss=None):
     """-> step(params, opt_state, batch, frozen=None) -> (params, opt_state, metrics), jitted.
 
-    params and opt_state are donated: XLA writes the new values into the old
-    buffers, so a step holds one copy of the weights and optimizer moments, not two.
-    loss: see train(); None is loss_fn on params.
+    params and opt_state are donated: XLA writes the new values into the old buffers, so a
+    step holds one copy of the weights and optimizer moments, not two. loss: see train().
     """
     def objective(params, batch, frozen):
         return loss_fn(params, cfg, batch) if loss is None else loss(params, cfg, batch, frozen)
@@ -272,7 +271,7 @@ def evaluate(params, cfg, examples, seq_len, batch_size, bytes_per_token=None):
 
 def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkpoint_path=None,
           checkpoint_every=0, tokenizer=None, opt_state=None, start_step=0, stop_at=None,
-          bytes_per_token=None, loss=None, frozen=None, mesh=None, sharding="data"):
+          bytes_per_token=None, loss=None, frozen=None, mesh=None, sharding="data", prefix=()):
     """Train for tcfg.steps steps (or until stop_at steps are done) -> (params, history).
 
     The examples are packed once; each epoch visits the rows in a new order (from tcfg.seed).
@@ -296,7 +295,7 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     """
     if loss is not None and eval_examples is not None:
         raise ValueError("eval_examples with a custom loss: evaluate the model's merged params instead")
-    data = pack(examples, tcfg.seq_len)
+    data = pack(examples, tcfg.seq_len, prefix=prefix)   # prefix: see pack
     step_fn, lr_at = _cached_train_step(cfg, tcfg, loss), lr_schedule(tcfg)
     params = jax.tree.map(jnp.array, params)   # a copy: the step donates (frees) its input buffers
     if opt_state is None:

@@ -154,6 +154,26 @@ def test_packed_trace_gets_the_loss_it_gets_alone(params):
                                np.asarray(nll(params, as_jnp(alone)))[0, :20], atol=1e-5)
 
 
+def test_a_shared_prefix_packs_once_a_row_and_changes_no_loss_or_gradient(params):
+    """Traces that start with the same prompt: packed with prefix=, each row holds it once and more
+    traces fit, yet every supervised token gets the same loss, and the gradient is the same sum."""
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(0, TINY.vocab_size, 24).astype(np.int32)
+    examples = [(np.r_[prefix, t], np.r_[np.zeros(24, np.uint8), a])
+                for t, a in (trace(rng, n) for n in (9, 14, 6, 5, 4))]
+    plain, shared = tr.pack(examples, 64), tr.pack(examples, 64, prefix=list(prefix))
+    assert (len(plain["tokens"]), len(shared["tokens"])) == (3, 1)
+    np.testing.assert_array_equal(shared["segments"][0, :24], -1)
+    (loss_a, n_a), g_a = LOSS_AND_GRAD(params, TINY, as_jnp(plain))
+    (loss_b, n_b), g_b = LOSS_AND_GRAD(params, TINY, as_jnp(shared))
+    assert int(n_a) == int(n_b) > 0
+    np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5)
+    with pytest.raises(ValueError, match="does not start with the prefix"):
+        tr.pack(examples + [trace(rng, 30)], 64, prefix=list(prefix))
+
+
 # ---------------------------------------------------------------- 4. it learns
 
 @pytest.mark.slow
