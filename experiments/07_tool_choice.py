@@ -44,6 +44,9 @@ FMT = chat.CHATML
 RECIPES = {
     "A": dict(steps=64, batch_size=4, seq_len=320, lr=2e-3, rank=8, alpha=16.0),
     "B": dict(steps=64, batch_size=4, seq_len=320, lr=1e-3, rank=16, alpha=32.0),
+    # C: the system prompt (two thirds of each example) packed once a row (train.pack's prefix): in
+    # about A's time, 2.5 epochs of 500 examples instead of 1, 32 examples a step instead of 8.
+    "C": dict(steps=40, batch_size=4, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True),
 }
 CHOSEN = "A"
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
@@ -207,6 +210,13 @@ def evaluate(params, cfg, tok, requests, args, constraint=None):
 
 # ---------------------------------------------------------------- training, cached
 
+def shared_prefix(examples):
+    """The tokens every example starts with (the system prompt, the user's turn opening): train.pack's prefix."""
+    first = list(examples[0][0])
+    return first[:min(next((j for j, (a, b) in enumerate(zip(first, t)) if a != b), min(len(first), len(t)))
+                      for t, _ in examples)]
+
+
 def adapters_for(base, cfg, tok, n, args, recipe_name):
     """LoRA adapters trained on train_set(n) with RECIPES[recipe_name] -> (adapters, stats).
     Cached under the recipe and a digest of the training examples: change the data, train again."""
@@ -215,7 +225,8 @@ def adapters_for(base, cfg, tok, n, args, recipe_name):
     exs = [example(q, tok) for q in requests]
     tcfg = train.TrainConfig(steps=r["steps"], batch_size=r["batch_size"], seq_len=r["seq_len"], lr=r["lr"],
                              warmup=min(6, r["steps"]), weight_decay=0.0, seed=args.seed, log_every=4)
-    rows = len(train.pack(exs, tcfg.seq_len)["tokens"])
+    prefix = shared_prefix(exs) if r.get("shared_prefix") else []
+    rows = len(train.pack(exs, tcfg.seq_len, prefix=prefix)["tokens"])
     stats = dict(examples=n, rows=rows, epochs=tcfg.steps * tcfg.batch_size / rows, tcfg=dataclasses.asdict(tcfg),
                  tokens_per_example=float(np.mean([len(t) for t, _ in exs])),
                  supervised_per_example=float(np.mean([int(a.sum()) for _, a in exs])))
@@ -226,7 +237,7 @@ def adapters_for(base, cfg, tok, n, args, recipe_name):
               f"({rows} rows, {stats['epochs']:.1f} epochs)")
         (adapters, history), seconds = common.timed(lora.train_lora, base, cfg, exs, tcfg, rank=r["rank"],
                                                     alpha=r["alpha"], seed=args.seed, lora=like,
-                                                    progress=not args.quick)
+                                                    progress=not args.quick, prefix=prefix)
         done = dict(train_minutes=seconds / 60,
                     tokens_per_s=float(np.mean([h["tokens_per_s"] for h in history[1:]] or [0.0])),  # [0]: compiling
                     loss=[(h["step"], round(h["loss"], 4)) for h in history])
@@ -235,7 +246,8 @@ def adapters_for(base, cfg, tok, n, args, recipe_name):
         return dict(params=adapters, extra=done)
 
     digest = hashlib.sha256(repr([(q.text, data.gold_json(q)) for q in requests]).encode()).hexdigest()[:12]
-    recipe = dict(examples=n, data=digest, rank=r["rank"], alpha=r["alpha"], tcfg=dataclasses.asdict(tcfg))
+    recipe = dict(examples=n, data=digest, rank=r["rank"], alpha=r["alpha"], tcfg=dataclasses.asdict(tcfg),
+                  **({"shared_prefix": len(prefix)} if prefix else {}))
     c = common.cached(f"07_lora{n}", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
     return c["params"], dict(stats, **c["extra"], recipe=recipe_name, cached=c["cached"],
                              checkpoint=common.in_repo(c["path"]) if c["path"] else None)
