@@ -68,10 +68,10 @@ def test_cache_pushes_each_position_once(tok, memorised):
 
 
 def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
-    """100 episodes of varied lengths on a random-weights model: budgets hold, nothing recompiles."""
+    """50 episodes of varied lengths on a random-weights model: budgets hold, nothing recompiles."""
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
     params = model.init(jax.random.PRNGKey(1), cfg)
-    ms = missions.generate(120, seed=7)
+    ms = missions.generate(70, seed=7)
     batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=128, temperature=1.0)
     limits = dict(max_calls=3, max_stretch=12)
     warm = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[:20]], [Toolbox(m.seed) for m in ms[:20]], **limits)

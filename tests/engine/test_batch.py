@@ -310,7 +310,7 @@ def play(schedule, use_cache):
 SCHEDULES = (st.lists(add_op, min_size=1, max_size=5), st.lists(op, min_size=10, max_size=40))
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(*SCHEDULES)
 def test_random_schedules(adds, schedule):
     """Any schedule of add, step, send (a resume, or a rewritten start), park and finish: no exception, no leaked page, limits kept,

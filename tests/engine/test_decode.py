@@ -239,6 +239,7 @@ def test_no_cache_shaped_converts_in_the_default_decode_step():
         assert Batch(model.init(jax.random.PRNGKey(0), bf16), bf16, slots=1).kv["k"].dtype == jnp.float32
 
 
+@pytest.mark.slow         # Pallas is opt-in; on CPU it runs in interpret mode, slowly
 def test_pallas_attention_equals_the_gather_path():
     """JAX's Pallas paged-attention kernel (interpret mode off a GPU) against the gather path, in the
     decode step: random page tables in a shuffled pool, lengths from 1 to the table's width,
