@@ -34,7 +34,7 @@ def memorised(tok):
     tokens, authors = chat.render(mission.trace, tok)
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
     params = model.init(jax.random.PRNGKey(0), cfg)
-    tcfg = train.TrainConfig(steps=120, batch_size=1, seq_len=len(tokens), lr=1e-2, warmup=10,
+    tcfg = train.TrainConfig(steps=60, batch_size=1, seq_len=len(tokens), lr=1e-2, warmup=10,
                              weight_decay=0.0)
     params, history = train.train(params, cfg, [(tokens, authors)], tcfg, progress=False)
     assert history[-1]["loss"] < 0.01
