@@ -254,7 +254,9 @@ def test_07_tool_choice_quick(tmp_path):
 def test_07_choose_quick(tmp_path):
     """--choose: every recipe trained on the largest size and scored on the validation split only."""
     res = run_quick("07_tool_choice.py", tmp_path, extra=("--choose",))
-    assert set(res) == {"A", "B"}
+    assert set(res) == {"A", "B", "C", "D", "E"}
+    rows = {name: r["training"]["rows"] for name, r in res.items()}
+    assert rows["C"] < rows["A"]                  # the shared prompt packed once a row: more examples a row
     for r in res.values():
         assert r["examples"] == 20 and r["training"]["cached"] is False
         assert r["val"]["n"] == 10 and 0 <= r["val"]["tool"] <= 1 and r["val"]["gate"]["refunds_executed"] == 0
