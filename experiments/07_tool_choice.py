@@ -26,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import hashlib
+import os
 import sys
 import time
 
@@ -216,9 +217,7 @@ def evaluate(params, cfg, tok, requests, args, constraint=None):
 
 def shared_prefix(examples):
     """The tokens every example starts with (the system prompt, the user's turn opening): train.pack's prefix."""
-    first = list(examples[0][0])
-    return first[:min(next((j for j, (a, b) in enumerate(zip(first, t)) if a != b), min(len(first), len(t)))
-                      for t, _ in examples)]
+    return os.path.commonprefix([list(tokens) for tokens, _ in examples])
 
 
 def adapters_for(base, cfg, tok, n, args, recipe_name):

@@ -82,7 +82,7 @@ def pack(examples, seq_len, pad_id=0, prefix=()):
         if len(authors) != len(tokens):
             raise ValueError(f"trace {i} has {len(tokens)} tokens but {len(authors)} authors")
         if list(tokens[:P]) != list(prefix) or (P and n and authors[P]):
-            raise ValueError(f"trace {i} does not start with the prefix, then a token the model did not write")
+            raise ValueError(f"trace {i} does not start with the prefix followed by a program token")
         if n + P > seq_len:
             raise ValueError(f"trace {i} has {n + P} tokens, more than seq_len={seq_len} (traces are never split)")
         fits = np.flatnonzero(room >= n)
@@ -130,7 +130,7 @@ def _row_stream(n_rows, seed):
 def token_nll(logits_BxTxV, targets_BxT):
     """-log softmax(logits)[target] = logsumexp(logits) - logits[target], in nats, at every position.
 
-    The second form skips the [B, T, V] log-probabilities, the step's largest array (49,152 words: SmolLM2).
+    The second form skips the [B, T, V] log-probabilities, the step's largest array (SmolLM2: 49,152 ids).
     """
     logits_BxTxV = logits_BxTxV.astype(jnp.float32)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
