@@ -2,7 +2,9 @@
 
 Decode: decode.decode_step on random SmolLM2-135M-shaped weights (the GGUF file is not needed), every
 slot active, each row holding `context` positions in its own pages of 16; batch 1, 32, 256; context
-128 and 2,048; float32 and bfloat16 (weights and cache); gather and Pallas attention. A step's floor
+128 and 2,048; bfloat16 and float32 (weights and cache); gather and Pallas attention; the layers as
+the Batch holds them (stacked, a scan, off CPU). Largest shapes first; a row that fails is recorded
+with its error and the rest still run. A step's floor
 is the larger of its bytes over the memory bandwidth (the weights once, plus each row's keys and
 values) and its FLOPs over the matmul peak, both measured in the same run (a large copy; a large
 matmul in the step's dtype). Steps per call: 16 decode steps as 16 calls read back by the host, or
@@ -131,6 +133,11 @@ def train_row(cfg, params, batch_size, seq_len, peak, repeats):
                 tokens_per_s=batch_size * seq_len / seconds, mfu=flops / seconds / peak)
 
 
+def layout(params):
+    """The layers as the Batch holds them: a list of per-layer arrays on CPU, stacked (a scan) elsewhere."""
+    return decode.unstack_layers(params) if jax.default_backend() == "cpu" else params
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, short contexts, few repeats")
@@ -138,37 +145,47 @@ def main():
     args = parser.parse_args()
     q = args.quick
     base = SMALL if q else SMOLLM2
-    batches, contexts, repeats = ((1, 4), (32, 64), 3) if q else ((1, 32, 256), (128, 2048), 20)
+    batches, contexts, repeats = ((1, 4), (32, 64), 3) if q else ((1, 32, 256), (128, 2048), 10)
     device = jax.devices()[0]
     bw = bandwidth(2 ** 24 if q else 2 ** 31, repeats)
-    print(f"{device.platform} {device.device_kind}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{device.platform} {device.device_kind}, jax {jax.__version__}: copy bandwidth {bw / 1e9:.0f} GB/s")
     rows = []
-    for dtype in ("float32", "bfloat16"):
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(name, make_row, show):
+        """Run one row; a row that fails is recorded with its error and the others still run. The
+        JSON file is written after every row, so a run stopped early keeps what it measured."""
+        t = time.perf_counter()
+        try:
+            rows.append(make_row())
+            print(show(rows[-1]), f"[{time.perf_counter() - t:.0f} s]", flush=True)
+        except Exception as e:                                    # noqa: BLE001  (reported, not hidden)
+            rows.append(dict(kind=name, error=f"{type(e).__name__}: {e}"[:2000]))
+            print(f"{name}: FAILED {rows[-1]['error'][:300]}", flush=True)
+        out.write_text(json.dumps(dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
+                                       quick=q, bandwidth=bw, rows=rows), indent=1))
+
+    for dtype in ("bfloat16", "float32"):
         cfg = dataclasses.replace(base, dtype=dtype)
         params = model.init(jax.random.PRNGKey(0), cfg)
         peak = matmul_peak(256 if q else 8192, dtype, repeats)
-        print(f"{dtype}: matmul peak {peak / 1e12:.1f} TFLOP/s")
-        for context in contexts:
-            for B in batches:
+        print(f"{dtype}: matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+        for context in contexts[::-1]:
+            for B in batches[::-1]:
                 for attention in ("gather", "pallas"):
-                    rows.append(decode_row(cfg, decode.unstack_layers(params), B, context, attention, peak, bw,
-                                           repeats))
-                    r = rows[-1]
-                    print(f"decode {dtype:8} {attention:6} B {B:3} context {context:5}: {r['ms']:8.3f} ms, "
-                          f"floor {r['floor_ms']:7.3f} ms ({r['bound']}), ratio {r['ratio']:6.2f}", flush=True)
+                    record(f"decode {dtype} {attention} B {B} context {context}",
+                           lambda: decode_row(cfg, layout(params), B, context, attention, peak, bw, repeats),
+                           lambda r: (f"decode {dtype:8} {attention:6} B {B:3} context {context:5}: "
+                                      f"{r['ms']:8.3f} ms, floor {r['floor_ms']:7.3f} ms ({r['bound']}), "
+                                      f"ratio {r['ratio']:6.2f}"))
+        record(f"train {dtype}", lambda: train_row(cfg, params, 4 if q else 32, 64 if q else 1024, peak, repeats),
+               lambda r: (f"train  {dtype:8} {r['batch']} x {r['context']}: {r['ms']:8.1f} ms, "
+                          f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.0f} %"))
         for B in (batches[0], batches[1]):
-            rows.append(steps_row(cfg, decode.unstack_layers(params), B, contexts[0], 16, repeats))
-            r = rows[-1]
-            print(f"steps  {dtype:8} B {B:3} context {r['context']:5}: {r['ms_one_a_call']:.3f} ms a step one "
-                  f"a call, {r['ms_n_a_call']:.3f} ms {r['n']} a call ({r['speedup']:.2f}x)", flush=True)
-        rows.append(train_row(cfg, params, 4 if q else 32, 64 if q else 1024, peak, repeats))
-        r = rows[-1]
-        print(f"train  {dtype:8} {r['batch']} x {r['context']}: {r['ms']:8.1f} ms, {r['tokens_per_s']:,.0f} tok/s, "
-              f"MFU {100 * r['mfu']:.0f} %", flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=f"{device.platform} {device.device_kind}", quick=q, bandwidth=bw,
-                                   rows=rows), indent=1))
+            record(f"steps {dtype} B {B}", lambda: steps_row(cfg, layout(params), B, contexts[0], 16, repeats),
+                   lambda r: (f"steps  {dtype:8} B {B:3} context {r['context']:5}: {r['ms_one_a_call']:.3f} ms "
+                              f"a step one a call, {r['ms_n_a_call']:.3f} ms {r['n']} a call ({r['speedup']:.2f}x)"))
     print(f"-> {out}")
 
 

@@ -15,6 +15,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# The tests compare paths to float32 tolerances; on a GPU, float32 matmuls would otherwise run in TF32.
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
 from minagent import chat, weights  # noqa: E402
 from minagent.tasks import rote as rote_module  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
