@@ -11,7 +11,7 @@ matmul in the step's dtype). Steps per call: 16 decode steps as 16 calls read ba
 as one call of devices.decode_steps. Training: train.make_train_step, tokens/s and MFU against the
 peak. Decode rows print time, floor and their ratio (1.0 is the roofline).
 
-    python benchmarks/bench_gpu.py            # on an H200: a few minutes
+    python benchmarks/bench_gpu.py            # on an H200: under 2 minutes
     python benchmarks/bench_gpu.py --quick    # a small model and short contexts, any backend (~1 min on CPU)
 
 Writes benchmarks/results/gpu.json (--out to change). Off a GPU the Pallas kernel runs in interpret
@@ -179,7 +179,7 @@ def main():
                            lambda r: (f"decode {dtype:8} {attention:6} B {B:3} context {context:5}: "
                                       f"{r['ms']:8.3f} ms, floor {r['floor_ms']:7.3f} ms ({r['bound']}), "
                                       f"ratio {r['ratio']:6.2f}"))
-        record(f"train {dtype}", lambda: train_row(cfg, params, 4 if q else 32, 64 if q else 1024, peak, repeats),
+        record(f"train {dtype}", lambda: train_row(cfg, params, 4 if q else 8, 64 if q else 1024, peak, repeats),
                lambda r: (f"train  {dtype:8} {r['batch']} x {r['context']}: {r['ms']:8.1f} ms, "
                           f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.0f} %"))
         for B in (batches[0], batches[1]):
