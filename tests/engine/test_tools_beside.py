@@ -27,7 +27,7 @@ def caller(stok, rote):
 
 class Tool:
     """Answers `text` after `sleep` seconds, and notes when each call started and ended. With `first`
-    (a threading.Event), it also waits up to 10 s for that event before it sleeps."""
+    (a threading.Event), it also waits up to 60 s for that event before it sleeps."""
 
     def __init__(self, sleep=0.0, text="ok", first=None):
         self.sleep, self.text, self.spans, self.first = sleep, text, [], first
@@ -35,7 +35,7 @@ class Tool:
     def __call__(self, call):
         start = time.monotonic()
         if self.first is not None:
-            self.first.wait(timeout=10.0)
+            self.first.wait(timeout=60.0)
         time.sleep(self.sleep)
         self.spans.append((start, time.monotonic()))
         return self.text
@@ -56,8 +56,9 @@ class Fast(Tool):
 
 
 def test_a_slow_tool_holds_only_its_own_episode(stok, caller):
-    """The slow tools wait until the fast episodes are done (at most 10 s), then sleep 1 s. If the
-    batch waited for a slow call, the fast episodes could not move before it timed out."""
+    """The slow tools wait until the fast episodes are done (at most 60 s: the first steps compile,
+    which took over 10 s on a loaded machine), then sleep 1 s. If the batch waited for a slow call,
+    the fast episodes could not move before it timed out."""
     done, fast = threading.Event(), []
     fast += [Fast(fast, done, calls=2) for _ in range(4)]
     slow = [Tool(sleep=1.0, first=done) for _ in range(4)]
