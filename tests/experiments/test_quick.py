@@ -309,6 +309,7 @@ def test_bench_gpu_quick(tmp_path):
     """benchmarks/bench_gpu.py runs (a small model; on CPU the Pallas rows run in interpret mode):
     every decode shape with both attentions and both dtypes, times above zero, floors below them."""
     got = run_quick("bench_gpu.py", tmp_path, folder="benchmarks")
+    assert [r["error"] for r in got["rows"] if "error" in r] == []      # a failing row is recorded, not raised
     decode = [r for r in got["rows"] if r["kind"] == "decode"]
     assert len(decode) == 2 * 2 * 2 * 2 and got["quick"] and got["bandwidth"] > 0
     assert {(r["dtype"], r["attention"]) for r in decode} == {(d, a) for d in ("float32", "bfloat16")
