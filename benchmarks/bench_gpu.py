@@ -3,13 +3,13 @@
 Decode: decode.decode_step on random SmolLM2-135M-shaped weights (the GGUF file is not needed), every
 slot active, each row holding `context` positions in its own pages of 16; batch 1, 32, 256; context
 128 and 2,048; bfloat16 and float32 (weights and cache); gather and Pallas attention; the layers as
-the Batch holds them (stacked, a scan, off CPU). Largest shapes first; a row that fails is recorded
-with its error and the rest still run. A step's floor
-is the larger of its bytes over the memory bandwidth (the weights once, plus each row's keys and
-values) and its FLOPs over the matmul peak, both measured in the same run (a large copy; a large
-matmul in the step's dtype). Steps per call: 16 decode steps as 16 calls read back by the host, or
-as one call of devices.decode_steps. Training: train.make_train_step, tokens/s and MFU against the
-peak. Decode rows print time, floor and their ratio (1.0 is the roofline).
+the Batch holds them (stacked, a scan, off CPU). A step's floor is the larger of its bytes over the
+memory bandwidth (the weights once, plus each row's keys and values) and its FLOPs over the matmul
+peak, both measured in the same run (a large copy; a large matmul in the step's dtype). Steps per
+call: 16 decode steps as 16 calls read back by the host, or as one call of devices.decode_steps.
+Training: train.make_train_step, tokens/s and MFU against the peak. Decode rows print time, floor
+and their ratio (1.0 is the roofline). Largest shapes first; a row that fails is recorded with its
+error and the rest still run.
 
     python benchmarks/bench_gpu.py            # on an H200: under 2 minutes
     python benchmarks/bench_gpu.py --quick    # a small model and short contexts, any backend (~1 min on CPU)
