@@ -161,7 +161,7 @@ def main():
             rows.append(make_row())
             print(show(rows[-1]), f"[{time.perf_counter() - t:.0f} s]", flush=True)
         except Exception as e:                                    # noqa: BLE001  (reported, not hidden)
-            rows.append(dict(kind=name, error=f"{type(e).__name__}: {e}"[:2000]))
+            rows.append(dict(kind=name.split()[0], row=name, error=f"{type(e).__name__}: {e}"[:2000]))
             print(f"{name}: FAILED {rows[-1]['error'][:300]}", flush=True)
         out.write_text(json.dumps(dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
                                        quick=q, bandwidth=bw, rows=rows), indent=1))

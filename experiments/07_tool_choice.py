@@ -4,9 +4,10 @@ A shop has five tools, one of which loses money (refund). The model reads gate.S
 request and answers in JSON only; gate.validate decides whether that may reach a tool, gate.execute
 holds every refund for a person (minagent/tasks/shop/). On 150 held-out requests and on fresh ones in
 the training phrasings: tool and tool + arguments accuracy of SmolLM2-135M-Instruct before training,
-with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, 64 steps for every size), of a
-bag-of-words classifier and a random tool; per tool and per kind of request; unasked refunds, missed
-requests for a person; validity, free and under constrained decoding (grammar.py); the approval gate.
+with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, the same steps for every
+size), of a bag-of-words classifier and a random tool; per tool and per kind of request; unasked
+refunds, missed requests for a person; validity, free and under constrained decoding (grammar.py);
+the approval gate.
 The recipe (RECIPES) was chosen with --choose on a validation split of the training side, never on
 the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
