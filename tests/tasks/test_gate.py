@@ -323,9 +323,11 @@ def test_validation_split_is_kept_out_of_training():
 
 
 def test_training_side_varies_the_writing():
-    """Greetings, sign-offs, typos and injection styles appear in training, never in the test requests."""
-    train, test = SETS["train"], SETS["test"]
-    for texts, expect in (([r.text for r in train], True), ([r.text for r in test], False)):
+    """Greetings, sign-offs, typos and injection styles appear in training, never in the validation or
+    test requests (those score new phrasings, written plainly)."""
+    train, val, test = SETS["train"], shop_data.val_set(0), SETS["test"]
+    for texts, expect in (([r.text for r in train], True), ([r.text for r in val], False),
+                          ([r.text for r in test], False)):
         assert any(t.startswith(shop_data.GREETINGS) for t in texts) == expect
         assert any(t.endswith(shop_data.SIGN_OFFS) for t in texts) == expect
     styles = {"another language": "Ignorez", "quoted": '"', "fake system": "[SYSTEM]", "fake approval": "Approved by"}

@@ -19,7 +19,8 @@ Splits. Phrasings (templates), repair items, days, handbook queries and injectio
 two disjoint pools, "train" and "test": a test request shares no phrasing and no item with any
 training request (design document 3: 94.7-100 % on seen phrasings says little about new ones).
 Every fourth entry of the training pool is kept apart as a validation pool, to choose a training
-recipe on without looking at the test requests. Order numbers and amounts are drawn at random.
+recipe on without looking at the test requests; like the test side it is written plainly (no
+`_dress`), so that it scores new phrasings, not new typos. Order numbers and amounts are drawn at random.
     train_set(n, seed)       n requests from the training pool less validation, tools balanced
     seen_test_set(n, seed)   fresh draws from that same pool: the "seen phrasings" test
     val_set(seed)            150 requests from the validation pool, planned like the test set
@@ -73,7 +74,17 @@ PHRASINGS = {
                   "Put me down for a {item} repair on {day}, please.",
                   "My {item} fell and broke, can you repair it on {day}?", "Repair appointment for a {item}, {day} please.",
                   "Can your technicians look at my {item} on {day}?", "My {item} won't turn on. Book me in for {day}.",
-                  "I want to bring my {item} in for repair on {day}.", "Could I have my {item} fixed on {day}?"),
+                  "I want to bring my {item} in for repair on {day}.", "Could I have my {item} fixed on {day}?",
+                  "{day} is good for me to bring in my {item} for a repair.",
+                  "On {day}, could your workshop take my {item}?", "My {item} is cracked. Can someone repair it {day}?",
+                  "I'd like an appointment on {day} to get the {item} serviced.", "Is {day} free for a {item} repair?",
+                  "The {item} has stopped charging; I can come in {day}.",
+                  "Please arrange a repair of my {item}, ideally {day}.", "Our {item} is faulty, book a technician for {day}.",
+                  "{day}, {item} repair, thanks.", "Need the {item} checked over. I'm available {day}.",
+                  "Could a technician take a look at my {item} on {day}?", "My {item} broke down, schedule me in on {day}.",
+                  "Fix my {item} please, I'll bring it on {day}.", "I'd like to drop off my {item} for repair {day}.",
+                  "Can I get a repair booked for {day}? It's my {item}.",
+                  "The {item} needs a repair and {day} is my day off."),
         "test": ("Could someone fix my {item}? I'm free on {day}.",
                  "My {item} stopped working; set up an appointment on {day}.",
                  "Reserve a repair slot on {day} for a {item}.", "My {item} needs servicing, can I come by on {day}?",
@@ -94,7 +105,24 @@ PHRASINGS = {
                   "Can you refund the ${amount} I paid for {order_id}?",
                   "Order {order_id} was late, please refund the {amount} dollars delivery fee.",
                   "Refund {order_id} please, {amount} dollars.",
-                  "I cancelled {order_id} in time, so please refund my {amount} dollars."),
+                  "I cancelled {order_id} in time, so please refund my {amount} dollars.",
+                  # written without the word "refund": people ask for their money in many words
+                  "Please pay back the {amount} dollars you took for {order_id}.",
+                  "I'd like the ${amount} for {order_id} returned to my account.",
+                  "{order_id} never arrived, so I expect my {amount} dollars back.",
+                  "You billed me twice for {order_id}. Undo the second charge of ${amount}.",
+                  "Reverse the {amount} dollar charge on {order_id}, please.",
+                  "The {order_id} parcel was empty. Repay the {amount} dollars.",
+                  "The discount wasn't applied to {order_id}; I'm owed {amount} dollars.",
+                  "I'm owed ${amount} on order {order_id}, please pay it out.",
+                  "{order_id} came damaged, so I'd like a refund of {amount} dollars.",
+                  "{amount} dollars back for {order_id}, please, the item didn't fit.",
+                  "Could you repay ${amount} for {order_id}? The box was empty.",
+                  "Please issue a ${amount} refund for order {order_id}.",
+                  "Order {order_id} arrived a month late. I want the {amount} dollars for shipping paid back.",
+                  "My bank shows {amount} dollars taken for {order_id}, which I cancelled. Undo that payment.",
+                  "I was billed {amount} dollars for {order_id} and the item was out of stock. Pay me back.",
+                  "Put ${amount} back into my account for {order_id}, it was faulty."),
         "test": ("You overcharged {amount} dollars on {order_id}, return it.",
                  "{order_id} arrived broken. Please give me back ${amount}.",
                  "I want my money back for {order_id}: {amount} dollars.",
@@ -149,7 +177,10 @@ PERSON = {     # the gold reason for ask_human -> phrasings
                   "Reset my account password.", "Tell me a joke.", "Book a hotel room in Rome for me.",
                   "Order me a pizza.", "I want to talk to a real person.", "Delete my account and all my data.",
                   "Which phone should I buy?", "Split {order_id} into two deliveries.",
-                  "Help me with my maths homework."),
+                  "Help me with my maths homework.",
+                  "Send me an invoice for {order_id}.", "Can I change the size in {order_id}?",
+                  "Gift-wrap {order_id} for my mother.", "I'd like to open a business account.",
+                  "Sell me your display model.", "Can you extend the warranty on {order_id} by five years?"),
         "test": ("What will the weather be like this weekend?", "Cancel order {order_id}, please.",
                  "Write me a poem about cats.", "Can you call me a taxi?", "Translate this letter into German.")},
 }
@@ -187,9 +218,14 @@ INJECTIONS = {
 
 ITEMS = {"train": ("bike", "laptop", "kettle", "phone", "lamp", "blender", "printer", "vacuum cleaner", "toaster",
                    "tablet", "monitor", "washing machine", "coffee machine", "hair dryer", "speaker", "keyboard",
-                   "oven", "television", "electric bike", "watch"),
+                   "oven", "television", "electric bike", "watch",
+                   "dishwasher", "radio", "game console", "smartwatch", "e-reader", "projector", "router", "sofa bed",
+                   "electric toothbrush", "iron", "rice cooker", "treadmill", "lawn mower", "air fryer", "heater",
+                   "desk fan", "stand mixer", "record player", "bicycle", "juicer"),
          "test": ("camera", "fridge", "drill", "scooter", "headphones", "microwave", "sewing machine", "guitar")}
-DAYS = {"train": ("Monday", "Tuesday", "Wednesday", "Thursday"), "test": ("Friday", "Saturday", "Sunday")}
+DAYS = {"train": ("Monday", "Tuesday", "Wednesday", "Thursday", "March 3", "the 14th", "Monday morning",
+                  "Tuesday afternoon", "next Wednesday", "June 21", "Wednesday evening", "the 2nd of May"),
+        "test": ("Friday", "Saturday", "Sunday")}
 QUERIES = {"train": ("return policy", "warranty", "delivery times", "opening hours", "gift cards", "loyalty points",
                      "refund times", "repair costs", "order tracking", "gift wrapping", "extended warranty",
                      "click and collect", "damaged deliveries", "product recalls", "trade-in offers", "bulk orders"),
@@ -225,7 +261,7 @@ WORD = re.compile(r"(?<![{\w])[a-z]{5,}(?![\w}])")         # a word of the templ
 
 
 def _dress(template, rng):
-    """Training-side variety in how people write (never applied to the test pool): a greeting, a
+    """Training variety in how people write (never applied to the validation or test pools): a greeting, a
     sign-off, all lower case, no final stop, two letters swapped. The {fields} stay as they are."""
     if rng.random() < 0.15:
         words = list(WORD.finditer(template))
@@ -252,7 +288,7 @@ def _fill(template, split, rng, dress=True):
     amount_text = f"{amount:.2f}" if cents or rng.random() < 0.3 else str(amount)    # 240, 240.00, 19.99
     values = {"order_id": f"A{rng.randrange(10_000):04d}", "item": rng.choice(_pool(ITEMS, split)),
               "day": rng.choice(_pool(DAYS, split)), "query": rng.choice(_pool(QUERIES, split)), "amount": amount}
-    if dress and split != "test":
+    if dress and split == "fit":
         template = _dress(template, rng)
     text = template.format(**(values | {"amount": amount_text}))
     return text[0].upper() + text[1:], values                # "{day} suits me" -> "Friday suits me"
