@@ -53,8 +53,10 @@ RECIPES = {
     # E: D for twice the steps (2 epochs of 500).
     "D": dict(steps=64, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True),
     "E": dict(steps=128, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True),
+    # F: E with rank 16 (twice the adapter's capacity, the same steps).
+    "F": dict(steps=128, batch_size=1, seq_len=512, lr=2e-3, rank=16, alpha=32.0, shared_prefix=True),
 }
-CHOSEN = "A"
+CHOSEN = "E"
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
 TOOLS = tuple(gate.TOOLS)
 KINDS = ("normal", "person", "injection")
