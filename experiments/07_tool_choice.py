@@ -12,9 +12,9 @@ The recipe (RECIPES) was chosen with --choose on a validation split of the train
 the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
     python -m minagent.weights fetch                         # once: the SmolLM2 GGUF file
-    python experiments/07_tool_choice.py --choose            # the recipes on the validation split: ~90 min
-    python experiments/07_tool_choice.py                     # everything: ~3 h (~65 min with cached adapters)
-    python experiments/07_tool_choice.py --only train        # the adapters alone, cached: 30-40 min a size
+    python experiments/07_tool_choice.py --choose D E F      # three recipes on the validation split: ~37 min
+    python experiments/07_tool_choice.py                     # everything: ~75 min (~40 with cached adapters)
+    python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min a size
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
     python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
