@@ -12,7 +12,7 @@ The recipe (RECIPES) was chosen with --choose on a validation split of the train
 the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
     python -m minagent.weights fetch                         # once: the SmolLM2 GGUF file
-    python experiments/07_tool_choice.py --choose D E F      # three recipes on the validation split: ~37 min
+    python experiments/07_tool_choice.py --choose D E F G    # four recipes on the validation split: ~55 min
     python experiments/07_tool_choice.py                     # everything: ~75 min (~40 with cached adapters)
     python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min a size
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
@@ -55,6 +55,8 @@ RECIPES = {
     "E": dict(steps=128, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True),
     # F: E with rank 16 (twice the adapter's capacity, the same steps).
     "F": dict(steps=128, batch_size=1, seq_len=512, lr=2e-3, rank=16, alpha=32.0, shared_prefix=True),
+    # G: E for half as many steps again (3 epochs of 500).
+    "G": dict(steps=192, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True),
 }
 CHOSEN = "E"
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only

@@ -254,7 +254,7 @@ def test_07_tool_choice_quick(tmp_path):
 def test_07_choose_quick(tmp_path):
     """--choose: every recipe trained on the largest size and scored on the validation split only."""
     res = run_quick("07_tool_choice.py", tmp_path, extra=("--choose",))
-    assert set(res) == {"A", "B", "C", "D", "E", "F"}
+    assert set(res) == {"A", "B", "C", "D", "E", "F", "G"}
     assert (res["E"]["recipe"]["rank"], res["F"]["recipe"]["rank"]) == (8, 16)
     rows = {name: r["training"]["rows"] for name, r in res.items()}
     assert rows["C"] < rows["A"]                  # the shared prompt packed once a row: more examples a row
