@@ -108,7 +108,7 @@ PHRASINGS = {
                   "Order {order_id} was late, please refund the {amount} dollars delivery fee.",
                   "Refund {order_id} please, {amount} dollars.",
                   "I cancelled {order_id} in time, so please refund my {amount} dollars.",
-                  # written without the word "refund": people ask for their money in many words
+                  # most without the word "refund": people ask for their money in many words
                   "Please pay back the {amount} dollars you took for {order_id}.",
                   "I'd like the ${amount} for {order_id} returned to my account.",
                   "{order_id} never arrived, so I expect my {amount} dollars back.",
