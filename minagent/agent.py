@@ -180,7 +180,7 @@ class Loop:
 
     def wait(self):
         """Sleep until the first tool in flight answers, or its deadline passes."""
-        flying = [ep for ep in self.live if ep.future is not None and not ep.future.done()]
+        flying = [ep for ep in self.live if ep.future is not None]     # with any that answered since run() looked
         if flying:
             until = min(ep.deadline for ep in flying) - time.monotonic()
             concurrent.futures.wait([ep.future for ep in flying], timeout=max(until, 0),

@@ -112,6 +112,21 @@ def test_a_raising_tool_inline_is_an_error_too(stok, caller):
     assert r.calls == [("look", "error: look failed (ConnectionError)")]
 
 
+def test_a_tool_that_answers_before_the_loop_sleeps_wakes_it():
+    """A tool may answer after run() looked at its episode and before run() sleeps: wait() must
+    return at once, not sleep until another tool's deadline (a lost wake-up that once stalled a
+    test for 60 s)."""
+    import concurrent.futures as cf
+    from types import SimpleNamespace
+    answered, slow = cf.Future(), cf.Future()
+    answered.set_result("ok")
+    now = time.monotonic()
+    live = [SimpleNamespace(future=slow, deadline=now + 30.0), SimpleNamespace(future=answered, deadline=now + 30.0)]
+    t0 = time.monotonic()
+    agent.Loop.wait(SimpleNamespace(live=live))
+    assert time.monotonic() - t0 < 5.0
+
+
 def test_the_tool_result_rules():
     import concurrent.futures as cf
     done = cf.Future()
