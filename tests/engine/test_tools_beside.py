@@ -6,8 +6,10 @@ Every episode runs on a rote model (minagent/tasks/rote.py) that calls `look` at
 after each result, so each makes max_calls calls, and each call's tool is known.
 """
 
+import concurrent.futures as cf
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,8 +118,6 @@ def test_a_tool_that_answers_before_the_loop_sleeps_wakes_it():
     """A tool may answer after run() looked at its episode and before run() sleeps: wait() must
     return at once, not sleep until another tool's deadline (a lost wake-up that once stalled a
     test for 60 s)."""
-    import concurrent.futures as cf
-    from types import SimpleNamespace
     answered, slow = cf.Future(), cf.Future()
     answered.set_result("ok")
     now = time.monotonic()
@@ -128,7 +128,6 @@ def test_a_tool_that_answers_before_the_loop_sleeps_wakes_it():
 
 
 def test_the_tool_result_rules():
-    import concurrent.futures as cf
     done = cf.Future()
     done.set_result(42)
     assert agent.tool_result(done, "sum 1 2", 1.0) == "error: sum returned int, not text"
