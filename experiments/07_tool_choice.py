@@ -37,7 +37,7 @@ import numpy as np
 import common
 from minagent import chat, lora, model, train, weights
 from minagent import tokenizer as tk
-from minagent.tasks.shop import classifier, data, gate, grammar
+from minagent.tasks.shop import classifier, data, gate, grammar, margin
 
 FMT = chat.CHATML
 # LoRA recipes, compared by --choose on the validation split (data.val_set: phrasings, items and injections of
@@ -59,6 +59,12 @@ RECIPES = {
     "G": dict(steps=192, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True),
 }
 CHOSEN = "E"
+# The exit margin (margin.py, part_margin): swept on the validation split with the chosen recipe at 500 examples.
+# There the smallest lead of ask_human on a request for a person was 4.1 nats, and the requests for a working
+# tool sent to ask_human led by 0.5 to 3.7. MARGIN is half the persons' smallest lead, rounded: room for
+# requests for a person written less plainly than validation's.
+MARGINS = (0.0, 1.0, 2.0, 3.0, 4.0)
+MARGIN = 2.0
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
 TOOLS = tuple(gate.TOOLS)
 KINDS = ("normal", "person", "injection")
@@ -76,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=32, help="requests decoded together")
     p.add_argument("--limit", type=int, default=48, help="tokens of a free answer")
     p.add_argument("--n-errors", type=int, default=8, help="wrong answers kept per model")
-    p.add_argument("--only", choices=("free", "constrained", "train"), default=None,
+    p.add_argument("--only", choices=("free", "constrained", "margin", "train"), default=None,
                    help="run one part (train: the adapters of --sizes, cached, and nothing else)")
     p.add_argument("--val", type=int, default=150, help="validation requests scored by --choose")
     p.add_argument("--retrain", action="store_true", help="train the adapters again, even if cached")
@@ -209,12 +215,16 @@ def a_few(errors, n):
     return picked
 
 
+def decoding(args, constraint=None):
+    """grammar.answers' settings for this experiment."""
+    limit = args.limit if constraint is None else grammar.max_chars() + 1
+    return dict(slots=args.slots, limit=limit, prefill_rows=8, buckets=(16, 64, 192, 256))
+
+
 def evaluate(params, cfg, tok, requests, args, constraint=None):
     t0 = time.perf_counter()
-    limit = args.limit if constraint is None else grammar.max_chars() + 1
     texts, stopped = grammar.answers(params, cfg, tok, [data.prompt(r, FMT) for r in requests], tok.special(FMT.end),
-                                       constraint, slots=args.slots, limit=limit, prefill_rows=8,
-                                       buckets=(16, 64, 192, 256))
+                                       constraint, **decoding(args, constraint))
     return dict(score(requests, texts, stopped, args.n_errors), seconds=time.perf_counter() - t0)
 
 
@@ -261,10 +271,10 @@ def adapters_for(base, cfg, tok, n, args, recipe_name):
                              checkpoint=common.in_repo(c["path"]) if c["path"] else None)
 
 
-def models(base, cfg, tok, args, training):
+def models(base, cfg, tok, args, training, sizes):
     """The models compared, in order: name -> params. Fills `training` with each size's stats."""
     out = {"before": base}
-    for n in args.sizes:
+    for n in sizes:
         adapters, training[str(n)] = adapters_for(base, cfg, tok, n, args, args.recipe)
         out[f"lora{n}"] = lora.merge(base, adapters, args.recipes[args.recipe]["alpha"])
     return out
@@ -323,6 +333,28 @@ def part_constrained(params, cfg, tok, args, sets):
     return out
 
 
+def part_margin(params, cfg, tok, args, sets):
+    """The exit margin (margin.py) for the largest model, free decoding: every margin of MARGINS on the
+    validation split (where MARGIN was chosen), MARGIN alone on the held-out and seen requests."""
+    p, end = params[f"lora{max(args.sizes)}"], tok.special(FMT.end)
+    out = {}
+    for split, reqs in ({"val": data.val_set(seed=args.seed)[:args.val]} | sets).items():
+        t0 = time.perf_counter()
+        prompts = [data.prompt(r, FMT) for r in reqs]
+        texts, stopped = grammar.answers(p, cfg, tok, prompts, end, **decoding(args))
+        leads = margin.exit_leads(p, cfg, tok, prompts, texts, end, below=max(MARGINS), **decoding(args))
+        out[split] = {f"{m:g}": score(reqs, *margin.with_margin(texts, stopped, leads, m), args.n_errors)
+                      for m in (MARGINS if split == "val" else (0.0, MARGIN))}
+        out[split]["leads"] = sorted((round(lead.lead, 2), reqs[i].tool, lead.tool) for i, lead in leads.items())
+        out[split]["seconds"] = time.perf_counter() - t0
+        for m, r in out[split].items():
+            if isinstance(r, dict):
+                s = r["safety"]
+                print(f"  margin {m:>3} {split:5} tool {r['tool']:6.1%}  tool+args {r['tool_args']:6.1%}  refund "
+                      f"unasked {s['refund_unasked']['k']}  person missed {s['person_missed']['k']}")
+    return dict(model=f"lora{max(args.sizes)}", margins=MARGINS, chosen=MARGIN, **out)
+
+
 # ---------------------------------------------------------------- tables
 
 LABELS = {"before": "SmolLM2 before training", "random": "random tool"}
@@ -333,6 +365,8 @@ def label(name):
         return LABELS[name]
     if name.startswith("lora"):
         return f"SmolLM2 + LoRA, {name[4:]} ex."
+    if name.startswith("margin "):
+        return f"LoRA, exit {name}"
     return f"bag of words, {name[10:]} ex."
 
 
@@ -434,6 +468,18 @@ def print_all(results):
         print_gate(split_of(part, split), title)
     print_errors(split_of(free, "test"), "held-out requests")
     print_errors(split_of(constrained, "test"), "held-out, constrained")
+    print_margin(results.get("margin"))
+
+
+def print_margin(m):
+    """The exit margin's rows: each margin on validation, margin 0 and the chosen one on test and seen."""
+    if not m:
+        return
+    for split, title in (("val", "validation"), ("test", "held-out"), ("seen", "seen phrasings")):
+        rows = {f"margin {k}": r for k, r in m[split].items() if isinstance(r, dict)}
+        print_accuracy(rows, f"{m['model']} with an exit margin (chosen: {m['chosen']:g} nats), {title}")
+        print_gate({f"margin {m['chosen']:g}": rows[f"margin {m['chosen']:g}"]}, title)
+    print_errors({f"margin {m['chosen']:g}": m["test"][f"{m['chosen']:g}"]}, f"{m['model']}, held-out")
 
 
 def main(argv=None):
@@ -449,13 +495,16 @@ def main(argv=None):
     results = dict(quick=args.quick, seed=args.seed, sizes=args.sizes, recipe=args.recipe)
     sets = test_sets(args)
     training, minutes = {}, dict(load=(time.perf_counter() - t0) / 60)
-    params = models(base, cfg, tok, args, training)
+    # --only margin needs the largest model alone, and leaves the other sizes' training stats as they are
+    params = models(base, cfg, tok, args, training, [max(args.sizes)] if args.only == "margin" else args.sizes)
     minutes["train"] = sum(t["train_minutes"] for t in training.values() if not t["cached"])
     if args.only == "train":
         print(f"adapters for {args.sizes} examples ready ({minutes['train']:.1f} min)")
         return
     rank = args.recipes[args.recipe]["rank"]
-    results.update(training=training, model=dict(name="tiny random" if args.quick else "SmolLM2-135M-Instruct",
+    if args.only != "margin":
+        results["training"] = training
+    results.update(model=dict(name="tiny random" if args.quick else "SmolLM2-135M-Instruct",
                                                  n_params=model.n_params(base), lora_rank=rank,
                                                  lora_alpha=args.recipes[args.recipe]["alpha"],
                                                  trained_params=lora.n_trained(
@@ -470,6 +519,11 @@ def main(argv=None):
         t1 = time.perf_counter()
         results["constrained"] = part_constrained(params, cfg, tok, args, sets)
         minutes["constrained"] = (time.perf_counter() - t1) / 60
+    if args.only in (None, "margin"):
+        print("the exit margin")
+        t1 = time.perf_counter()
+        results["margin"] = part_margin(params, cfg, tok, args, sets)
+        minutes["margin"] = (time.perf_counter() - t1) / 60
     results["minutes"] = minutes          # of this run only: training is 0 when the adapters were cached
     results["minutes_this_run"] = (time.perf_counter() - t0) / 60
 

@@ -245,6 +245,15 @@ def test_07_tool_choice_quick(tmp_path):
     for name in ("before", "lora10", "lora20"):                     # constrained: every answer valid
         r = res["constrained"][name]["test"]
         assert r["valid"] == 1.0 and r["reasons"] == {} and r["gate"]["refunds_executed"] == 0
+    m = res["margin"]                                                # the exit margin, on the largest model
+    assert m["model"] == "lora20" and m["chosen"] in m["margins"]
+    assert set(m["val"]) == {f"{x:g}" for x in m["margins"]} | {"leads", "seconds"}
+    for split, n in (("val", 10), ("test", 15), ("seen", 10)):
+        rows = [m[split][f"{x:g}"] for x in sorted(m["margins"]) if f"{x:g}" in m[split]]
+        assert all(r["n"] == n and r["gate"]["refunds_executed"] == 0 for r in rows)
+        missed = [r["safety"]["person_missed"]["k"] for r in rows]
+        assert missed == sorted(missed)             # a larger margin only moves answers away from ask_human
+        assert all(lead < max(m["margins"]) for lead, _, _ in m[split]["leads"])
     assert_figure(tmp_path, "07_tool_choice.py")
     if HAS_MATPLOTLIB:
         assert (tmp_path / "07_tool_choice_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

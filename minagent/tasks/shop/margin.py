@@ -1,0 +1,95 @@
+"""A margin for the exit: keep an ask_human answer only when the model clearly prefers it.
+
+Trained on the shop's phrasings, the model meets a request in new words and takes the exit: it
+answers ask_human where a working tool was meant, often with that tool close behind. The greedy
+answer names one tool, but the model scores all five: the log-probability of writing
+
+    {"tool": "NAME",        after the prompt, for each NAME in gate.TOOLS   (`tool_scores`)
+
+The rule: an answer that names ask_human stands when ask_human leads the best working tool by at
+least `margin` nats (margin 2: about 7 times as likely); otherwise the answer is written again with
+that tool's name given to the model, which writes the arguments itself (`forced`). An answer that
+names a working tool is kept as it is, so the rule can only move a request from the exit to a tool,
+never to the exit. The margin is chosen on the validation split (experiments/07_tool_choice.py).
+The code after the model is unchanged: the new call goes through gate.validate and gate.execute
+like any other, so a refund is still held for a person.
+
+    texts, stopped = grammar.answers(params, cfg, tok, prompts, end_id)
+    leads = exit_leads(params, cfg, tok, prompts, texts, end_id, below=4.0)   # {i: Lead}, computed once
+    texts, stopped = with_margin(texts, stopped, leads, 2.0)                   # the answers under the rule
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minagent import chat, model
+from minagent.tasks.shop import gate, grammar
+
+EXIT = "ask_human"
+WORKING = tuple(t for t in gate.TOOLS if t != EXIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lead:
+    lead: float     # log p(ask_human) - log p(best working tool), in nats
+    tool: str       # that best working tool
+    text: str       # the answer written again with its name given
+    stopped: bool   # whether that answer reached the end token
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _log_probs(params, tokens_BxT, cfg):
+    return jax.nn.log_softmax(model.forward(params, cfg, tokens_BxT).astype(jnp.float32), axis=-1)
+
+
+def opening(tool):
+    """The first characters of an answer that names `tool`, as data.gold_json writes them."""
+    return f'{grammar.OPEN}{tool}",'
+
+
+def tool_scores(params, cfg, tok, prompt, bucket=64):
+    """A prompt (chat.Segment) -> {tool: log p of opening(tool) after it}, one forward pass of five rows."""
+    head = chat.encode(tok, prompt)
+    rows = [head + tok.encode_ordinary(opening(t)) for t in gate.TOOLS]
+    width = -(-max(map(len, rows)) // bucket) * bucket          # a few shapes, a few compilations
+    tokens = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    lp = np.asarray(_log_probs(params, jnp.asarray(tokens), cfg))
+    return {t: float(sum(lp[i, j - 1, r[j]] for j in range(len(head), len(r))))
+            for i, (t, r) in enumerate(zip(gate.TOOLS, rows))}
+
+
+def forced(params, cfg, tok, prompts, tools, end_id, **kw):
+    """Answers that start with opening(tool), the rest written by the model (greedy) -> (texts, stopped)."""
+    given = [chat.Segment(p.author, p.parts + (opening(t),)) for p, t in zip(prompts, tools)]
+    texts, stopped = grammar.answers(params, cfg, tok, given, end_id, **kw)
+    return [opening(t) + text for t, text in zip(tools, texts)], stopped
+
+
+def exit_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
+    """For each answer that names ask_human with a lead under `below` nats -> {index: Lead}.
+    Compute once with the largest margin of interest; with_margin then applies any margin up to it."""
+    leads = {}
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        if gate.validate(text).tool == EXIT:
+            s = tool_scores(params, cfg, tok, p)
+            best = max(WORKING, key=s.get)
+            if s[EXIT] - s[best] < below:
+                leads[i] = (s[EXIT] - s[best], best)
+    idx = sorted(leads)
+    if not idx:
+        return {}
+    again, stopped = forced(params, cfg, tok, [prompts[i] for i in idx], [leads[i][1] for i in idx], end_id, **kw)
+    return {i: Lead(*leads[i], text, s) for i, text, s in zip(idx, again, stopped)}
+
+
+def with_margin(texts, stopped, leads, margin):
+    """The answers under the rule -> (texts, stopped): an ask_human answer leading by under `margin` is replaced."""
+    swap = [i in leads and leads[i].lead < margin for i in range(len(texts))]
+    return ([leads[i].text if s else t for i, (s, t) in enumerate(zip(swap, texts))],
+            [leads[i].stopped if s else e for i, (s, e) in enumerate(zip(swap, stopped))])
