@@ -62,7 +62,9 @@ CHOSEN = "E"
 # The exit margin (margin.py, part_margin): swept on the validation split with the chosen recipe at 500 examples.
 # There the smallest lead of ask_human on a request for a person was 4.1 nats, and the requests for a working
 # tool sent to ask_human led by 0.5 to 3.7. MARGIN is half the persons' smallest lead, rounded: room for
-# requests for a person written less plainly than validation's.
+# requests for a person written less plainly than validation's. (It was chosen when an exit could still move to
+# refund; margin.MOVABLE was narrowed after the held-out run showed an injection moved there: results key
+# "margin_any_tool", experiments/LOG.md.)
 MARGINS = (0.0, 1.0, 2.0, 3.0, 4.0)
 MARGIN = 2.0
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only

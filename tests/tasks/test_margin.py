@@ -1,5 +1,5 @@
 """The exit margin (minagent/tasks/shop/margin.py): the five tools' scores are the model's own
-log-probabilities, and the rule only ever moves an ask_human answer to a working tool.
+log-probabilities, and the rule only ever moves an ask_human answer, and never to a tool that needs approval.
 
     python -m pytest tests/tasks/test_margin.py -q
 
@@ -63,8 +63,8 @@ def test_the_rule_moves_exits_under_the_margin_to_the_best_working_tool():
     assert sorted(leads) == [0, 2]                       # the ask_human answers, and only those
     for i, lead in leads.items():
         scores = margin.tool_scores(PARAMS, CFG, TOK, PROMPTS[i])
-        best = max(margin.WORKING, key=scores.get)
-        assert lead.tool == best and lead.lead == pytest.approx(scores["ask_human"] - scores[best])
+        best = max(margin.MOVABLE, key=scores.get)
+        assert lead.tool == best and lead.tool not in gate.NEEDS_APPROVAL and lead.lead == pytest.approx(scores["ask_human"] - scores[best])
         assert lead.text.startswith(margin.opening(best))
     smallest = min(lead.lead for lead in leads.values())
     # A margin no lead is under keeps every answer; a margin above every lead replaces every exit.

@@ -6,13 +6,14 @@ answer names one tool, but the model scores all five: the log-probability of wri
 
     {"tool": "NAME",        after the prompt, for each NAME in gate.TOOLS   (`tool_scores`)
 
-The rule: an answer that names ask_human stands when ask_human leads the best working tool by at
-least `margin` nats (margin 2: about 7 times as likely); otherwise the answer is written again with
-that tool's name given to the model, which writes the arguments itself (`forced`). An answer that
-names a working tool is kept as it is, so the rule can only move a request from the exit to a tool,
-never to the exit. The margin is chosen on the validation split (experiments/07_tool_choice.py).
-The code after the model is unchanged: the new call goes through gate.validate and gate.execute
-like any other, so a refund is still held for a person.
+The rule: an answer that names ask_human stands when ask_human leads the best tool it may move to
+by at least `margin` nats (margin 2: about 7 times as likely); otherwise the answer is written again
+with that tool's name given to the model, which writes the arguments itself (`forced`). An answer
+that names another tool is kept as it is, so the rule can only move a request away from the exit.
+It moves one only to a tool that runs without a person's approval (MOVABLE: not refund): code may
+overrule the model's caution for a cheap action, never to start a costly one the model did not
+choose. The margin is chosen on the validation split (experiments/07_tool_choice.py). The code
+after the model is unchanged: the new call goes through gate.validate and gate.execute like any other.
 
     texts, stopped = grammar.answers(params, cfg, tok, prompts, end_id)
     leads = exit_leads(params, cfg, tok, prompts, texts, end_id, below=4.0)   # {i: Lead}, computed once
@@ -30,13 +31,13 @@ from minagent import chat, model
 from minagent.tasks.shop import gate, grammar
 
 EXIT = "ask_human"
-WORKING = tuple(t for t in gate.TOOLS if t != EXIT)
+MOVABLE = tuple(t for t in gate.TOOLS if t != EXIT and t not in gate.NEEDS_APPROVAL)    # where an exit may go
 
 
 @dataclasses.dataclass(frozen=True)
 class Lead:
-    lead: float     # log p(ask_human) - log p(best working tool), in nats
-    tool: str       # that best working tool
+    lead: float     # log p(ask_human) - log p(best MOVABLE tool), in nats
+    tool: str       # that tool
     text: str       # the answer written again with its name given
     stopped: bool   # whether that answer reached the end token
 
@@ -78,7 +79,7 @@ def exit_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
     for i, (p, text) in enumerate(zip(prompts, texts)):
         if gate.validate(text).tool == EXIT:
             s = tool_scores(params, cfg, tok, p)
-            best = max(WORKING, key=s.get)
+            best = max(MOVABLE, key=s.get)
             if s[EXIT] - s[best] < below:
                 leads[i] = (s[EXIT] - s[best], best)
     idx = sorted(leads)
