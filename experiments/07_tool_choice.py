@@ -7,16 +7,18 @@ the training phrasings: tool and tool + arguments accuracy of SmolLM2-135M-Instr
 with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, the same steps for every
 size), of a bag-of-words classifier and a random tool; per tool and per kind of request; unasked
 refunds, missed requests for a person; validity, free and under constrained decoding (grammar.py);
-the approval gate.
+the approval gate; the exit margin (margin.py), which keeps an ask_human answer only when the model
+clearly prefers it.
 The recipe (RECIPES) was chosen with --choose on a validation split of the training side, never on
 the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
     python -m minagent.weights fetch                         # once: the SmolLM2 GGUF file
     python experiments/07_tool_choice.py --choose D E F G    # four recipes on the validation split: ~55 min
-    python experiments/07_tool_choice.py                     # everything: ~75 min (~40 with cached adapters)
+    python experiments/07_tool_choice.py                     # everything: ~95 min (~60 with cached adapters)
     python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min a size
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
     python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
+    python experiments/07_tool_choice.py --only margin       # the exit margin (margin.py) on LoRA 500: ~20 min
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
 Times on 2 CPU cores shared with other jobs; not run on a GPU. --retrain trains the adapters again.
 Writes experiments/results/07_tool_choice.json (--only replaces that part), 07_tool_choice.png (per tool)
@@ -337,10 +339,13 @@ def part_constrained(params, cfg, tok, args, sets):
 
 def part_margin(params, cfg, tok, args, sets):
     """The exit margin (margin.py) for the largest model, free decoding: every margin of MARGINS on the
-    validation split (where MARGIN was chosen), MARGIN alone on the held-out and seen requests."""
+    validation split (where MARGIN was chosen), margin 0 and MARGIN on the held-out and seen requests, and
+    on "fresh": another draw of the test pool (test_set(seed + 1): the test phrasings, new values and
+    combinations), scored only after margin.MOVABLE was narrowed on a held-out result."""
     p, end = params[f"lora{max(args.sizes)}"], tok.special(FMT.end)
+    fresh = data.test_set(seed=args.seed + 1)[:len(sets["test"])]
     out = {}
-    for split, reqs in ({"val": data.val_set(seed=args.seed)[:args.val]} | sets).items():
+    for split, reqs in ({"val": data.val_set(seed=args.seed)[:args.val]} | sets | {"fresh": fresh}).items():
         t0 = time.perf_counter()
         prompts = [data.prompt(r, FMT) for r in reqs]
         texts, stopped = grammar.answers(p, cfg, tok, prompts, end, **decoding(args))
@@ -477,7 +482,8 @@ def print_margin(m):
     """The exit margin's rows: each margin on validation, margin 0 and the chosen one on test and seen."""
     if not m:
         return
-    for split, title in (("val", "validation"), ("test", "held-out"), ("seen", "seen phrasings")):
+    for split, title in (("val", "validation"), ("test", "held-out"), ("seen", "seen phrasings"),
+                         ("fresh", "another draw of the held-out pool")):
         rows = {f"margin {k}": r for k, r in m[split].items() if isinstance(r, dict)}
         print_accuracy(rows, f"{m['model']} with an exit margin (chosen: {m['chosen']:g} nats), {title}")
         print_gate({f"margin {m['chosen']:g}": rows[f"margin {m['chosen']:g}"]}, title)

@@ -248,7 +248,7 @@ def test_07_tool_choice_quick(tmp_path):
     m = res["margin"]                                                # the exit margin, on the largest model
     assert m["model"] == "lora20" and m["chosen"] in m["margins"]
     assert set(m["val"]) == {f"{x:g}" for x in m["margins"]} | {"leads", "seconds"}
-    for split, n in (("val", 10), ("test", 15), ("seen", 10)):
+    for split, n in (("val", 10), ("test", 15), ("seen", 10), ("fresh", 15)):
         rows = [m[split][f"{x:g}"] for x in sorted(m["margins"]) if f"{x:g}" in m[split]]
         assert all(r["n"] == n and r["gate"]["refunds_executed"] == 0 for r in rows)
         missed = [r["safety"]["person_missed"]["k"] for r in rows]
