@@ -479,11 +479,13 @@ def print_all(results):
 
 
 def print_margin(m):
-    """The exit margin's rows: each margin on validation, margin 0 and the chosen one on test and seen."""
+    """The exit margin's rows: each margin on validation, margin 0 and the chosen one on the other splits."""
     if not m:
         return
     for split, title in (("val", "validation"), ("test", "held-out"), ("seen", "seen phrasings"),
                          ("fresh", "another draw of the held-out pool")):
+        if split not in m:
+            continue
         rows = {f"margin {k}": r for k, r in m[split].items() if isinstance(r, dict)}
         print_accuracy(rows, f"{m['model']} with an exit margin (chosen: {m['chosen']:g} nats), {title}")
         print_gate({f"margin {m['chosen']:g}": rows[f"margin {m['chosen']:g}"]}, title)
