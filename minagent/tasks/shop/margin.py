@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minagent import chat, model
+from minagent import chat, model, train
 from minagent.tasks.shop import gate, grammar
 
 EXIT = "ask_human"
@@ -43,8 +43,9 @@ class Lead:
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _log_probs(params, tokens_BxT, cfg):
-    return jax.nn.log_softmax(model.forward(params, cfg, tokens_BxT).astype(jnp.float32), axis=-1)
+def _next_nll(params, tokens_BxT, cfg):
+    """-log p of each next token: column t scores token t + 1 (train.token_nll, as in training)."""
+    return train.token_nll(model.forward(params, cfg, tokens_BxT)[:, :-1], tokens_BxT[:, 1:])
 
 
 def opening(tool):
@@ -60,9 +61,8 @@ def tool_scores(params, cfg, tok, prompt, bucket=64):
     tokens = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
-    lp = np.asarray(_log_probs(params, jnp.asarray(tokens), cfg))
-    return {t: float(sum(lp[i, j - 1, r[j]] for j in range(len(head), len(r))))
-            for i, (t, r) in enumerate(zip(gate.TOOLS, rows))}
+    nll = np.asarray(_next_nll(params, jnp.asarray(tokens), cfg))
+    return {t: -float(nll[i, len(head) - 1:len(r) - 1].sum()) for i, (t, r) in enumerate(zip(gate.TOOLS, rows))}
 
 
 def forced(params, cfg, tok, prompts, tools, end_id, **kw):
@@ -91,6 +91,6 @@ def exit_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
 
 def with_margin(texts, stopped, leads, margin):
     """The answers under the rule -> (texts, stopped): an ask_human answer leading by under `margin` is replaced."""
-    swap = [i in leads and leads[i].lead < margin for i in range(len(texts))]
-    return ([leads[i].text if s else t for i, (s, t) in enumerate(zip(swap, texts))],
-            [leads[i].stopped if s else e for i, (s, e) in enumerate(zip(swap, stopped))])
+    swap = {i for i, lead in leads.items() if lead.lead < margin}
+    return ([leads[i].text if i in swap else t for i, t in enumerate(texts)],
+            [leads[i].stopped if i in swap else s for i, s in enumerate(stopped)])
