@@ -53,12 +53,17 @@ def run_loop(params, cfg, tok, questions, boxes, args):
 
 
 def nats_per_byte(params, cfg, tok, glosses, args):
-    """Loss on each gloss as a plain-text document: <|endoftext|> then the gloss, every gloss token supervised."""
+    """Loss on each gloss as a plain-text document: <|endoftext|> then the gloss, every gloss token supervised.
+
+    Summed nats over the glosses' UTF-8 bytes: unlike nats per token, it compares models whose
+    vocabularies differ. -> train.evaluate's dict with nats_per_byte added.
+    """
     docs = [[0] + tok.encode_ordinary(g) for g in glosses]
     exs = [(np.array(d, np.int32), np.array([chat.PROGRAM] + [chat.MODEL] * (len(d) - 1), np.uint8)) for d in docs]
-    specials = set(tok.specials.values())
-    bytes_V = [0 if i in specials else len(tok.piece(i)) for i in range(tok.n_vocab)]
-    return train.evaluate(params, cfg, exs, args.seq_len, args.batch_size, bytes_per_token=bytes_V)
+    ev = train.evaluate(params, cfg, exs, args.seq_len, args.batch_size)
+    n_bytes = sum(len(g.encode("utf-8")) for g in glosses)     # the supervised targets: every gloss token
+    assert n_bytes == sum(len(tok.piece(t)) for d in docs for t in d[1:])
+    return dict(ev, nats_per_byte=ev["loss"] * ev["n_tokens"] / n_bytes)
 
 
 def softmax_shift(params, cfg, tok, glosses, n_new=2, width=64):

@@ -10,9 +10,7 @@ format:
     PROGRAM  8728<|assistant|>
     MODEL    8728<|end|>
 
-No spaces around special tokens (the documents print them only to be read): a space
-after `<|call|>` would be one more token to learn, and for a GPT-2-style BPE "add" and
-" add" are different pieces.
+No spaces around special tokens (docs/DESIGN.md says why).
 
 Text from outside is never a control token. A Segment holds its text and the
 markers the program placed in it as separate parts; `encode` turns a marker
@@ -29,9 +27,7 @@ once (tests/engine/test_chat.py).
 """
 
 import dataclasses
-import itertools
 import re
-import sys
 
 import numpy as np
 
@@ -217,25 +213,3 @@ def render(trace, tok):
     tokens_T = np.array([t for seg in ids for t in seg], dtype=np.int32)
     authors_T = np.array([s.author for s, seg in zip(trace, ids) for _ in seg], dtype=np.uint8)
     return tokens_T, authors_T
-
-
-_COLOUR = {PROGRAM: "\x1b[2;36m", MODEL: "\x1b[1;32m"}   # program: dim cyan; model: bold green
-_RESET = "\x1b[0m"
-
-
-def show(tokens, authors, tok, color=None):
-    """The text with its authors told apart. Without colour, program text is in [brackets]:
-
-        [<|user|>What is 4821 + 3907?<|assistant|>]<|call|>add 4821 3907<|result|>[8728<|assistant|>]8728<|end|>
-    """
-    if color is None:
-        color = sys.stdout.isatty()
-    out = []
-    pairs = zip((int(t) for t in tokens), (int(a) for a in authors))
-    for author, run in itertools.groupby(pairs, key=lambda p: p[1]):
-        piece = tok.decode([t for t, _ in run])
-        if color:
-            out.append(_COLOUR.get(author, "") + piece + _RESET)
-        else:
-            out.append(f"[{piece}]" if author == PROGRAM else piece)
-    return "".join(out)

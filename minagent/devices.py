@@ -33,8 +33,7 @@ def paged_attention(q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, length_B):
     q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_KxPxZxH.dtype)
     out_BxNxH = pallas_ops.paged_attention(
         q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, jnp.maximum(length_B, 1).astype(jnp.int32),
-        block_h=16, pages_per_compute_block=block, k_splits=splits,
-        interpret=jax.default_backend() != "gpu")
+        block_h=16, pages_per_compute_block=block, k_splits=splits, interpret=jax.default_backend() != "gpu")
     return out_BxNxH
 
 
@@ -67,9 +66,8 @@ def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, 
 def automatic(mesh):
     """The same devices and axes with XLA choosing how intermediate values are split ("auto" axes).
 
-    jax.make_mesh gives "explicit" axes, where every operation must say how its result is split:
-    the model's embedding lookup, written for one device, cannot. minagent's steps say nothing and
-    leave it to XLA, as on one device, so a mesh is taken as an automatic one.
+    jax.make_mesh gives "explicit" axes, where every operation must say how its result is split: the
+    model's embedding lookup cannot. minagent's steps leave it to XLA, so a mesh is taken as automatic.
     """
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names)
 

@@ -15,8 +15,7 @@ numbers instead of 135 M (and AdamW's moments for those only); its English stays
 
 `merge` is a pure function of (params, lora), so the model code is untouched:
 the adapter's loss is `train.loss_fn(merge(base, lora), cfg, batch)`, and jax.grad of it
-with respect to lora is the whole of LoRA training (a fused x @ W + (x @ A) @ B would
-also skip forming dL/dW', at the price of touching the model code).
+with respect to lora is the whole of LoRA training.
 
 New tokens. model.add_tokens gives new tokens mean-initialised embedding rows:
 identical rows, so with tied embeddings two new tokens always get the same

@@ -153,10 +153,9 @@ class Toolbox:
         box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is not in table 7
         box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
 
-    tools: name -> function (default calculator(seed); () for none: every call an error).
-    Calling a Toolbox never raises; its answer is at most max_result characters (and sent
-    as text, whatever it spells). fail_first=True: the first call answers BUSY, the next
-    ones work: does the model try again?
+    tools: name -> function (default calculator(seed); () for none: every call an error). A call
+    never raises; its answer is at most max_result characters, sent as text whatever it spells.
+    fail_first=True: the first call answers BUSY, the next ones work: does the model try again?
     """
 
     def __init__(self, seed=0, *, tools=None, fail_first=False, max_result=MAX_RESULT):

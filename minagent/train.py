@@ -153,15 +153,6 @@ def loss_fn(params, cfg, batch):
     return masked_mean(token_nll(logits_BxTxV, batch["targets"]), batch["mask"])
 
 
-def nats_per_byte(total_nats, targets_BxT, mask_BxT, bytes_per_token_V):
-    """Summed nats over the supervised targets / their length in UTF-8 bytes: unlike per token, it
-    compares models with different vocabularies. bytes_per_token_V[i]: token i's length in bytes, e.g.
-    `[len(tok.piece(i)) for i in range(tok.n_vocab)]`; give special tokens 0 to count only the text.
-    """
-    n_bytes = (np.asarray(bytes_per_token_V)[np.asarray(targets_BxT)] * np.asarray(mask_BxT)).sum()
-    return float(total_nats) / float(n_bytes)
-
-
 # ---------------------------------------------------------------- optimizer
 
 def lr_schedule(tcfg):
@@ -256,28 +247,25 @@ def _summed_nll(params, cfg, batch):
     return loss * n, n
 
 
-def evaluate(params, cfg, examples, seq_len, batch_size, bytes_per_token=None):
-    """-> dict(loss=nats per supervised token, n_tokens, nats_per_byte if bytes_per_token is given)."""
+def evaluate(params, cfg, examples, seq_len, batch_size):
+    """-> dict(loss=nats per supervised token, n_tokens)."""
     data = _pad_rows(pack(examples, seq_len), batch_size)   # fixed batch shape: one compilation
     total, n = 0.0, 0.0
     for i in range(0, len(data["tokens"]), batch_size):
         s, c = _summed_nll(params, cfg, {k: v[i:i + batch_size] for k, v in data.items()})
         total, n = total + float(s), n + float(c)
-    out = dict(loss=total / max(n, 1.0), n_tokens=int(n))
-    if bytes_per_token is not None:
-        out["nats_per_byte"] = nats_per_byte(total, data["targets"], data["mask"], bytes_per_token)
-    return out
+    return dict(loss=total / max(n, 1.0), n_tokens=int(n))
 
 
 def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkpoint_path=None,
           checkpoint_every=0, tokenizer=None, opt_state=None, start_step=0, stop_at=None,
-          bytes_per_token=None, loss=None, frozen=None, mesh=None, sharding="data", prefix=()):
+          loss=None, frozen=None, mesh=None, sharding="data", prefix=()):
     """Train for tcfg.steps steps (or until stop_at steps are done) -> (params, history).
 
     The examples are packed once; each epoch visits the rows in a new order (from tcfg.seed).
     To resume, pass a checkpoint's opt_state and step: the row order is replayed from the seed,
     so the run goes on as if never stopped. stop_at ends a run early (with a checkpoint); the
-    schedule still spans tcfg.steps. bytes_per_token: see nats_per_byte.
+    schedule still spans tcfg.steps.
 
     loss, frozen: to train something else than the model's weights: `params` is what
     `loss(params, cfg, batch, frozen) -> (nats per supervised token, n)` differentiates,
@@ -326,7 +314,7 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
             record = dict(step=done, loss=loss, lr=float(lr_at(step)), grad_norm=float(metrics["grad_norm"]),
                           tokens_per_s=(done - last) * tcfg.batch_size * tcfg.seq_len / dt)
             if evaluating:
-                ev = evaluate(params, cfg, eval_examples, tcfg.seq_len, tcfg.batch_size, bytes_per_token)
+                ev = evaluate(params, cfg, eval_examples, tcfg.seq_len, tcfg.batch_size)
                 record.update({f"eval_{k}": v for k, v in ev.items()})
             history.append(record)
             if progress:

@@ -59,29 +59,20 @@ def fetch(dest=None):
 
 
 def _sha256(path):
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def config_from_meta(meta, tie_embeddings, dtype="float32"):
     arch = meta["general.architecture"]
     if arch != "llama":
         raise gguf.GGUFError(f"architecture {arch!r} is not supported (minagent loads llama models)")
-    return Config(
-        vocab_size=len(meta["tokenizer.ggml.tokens"]),
-        d_model=meta["llama.embedding_length"],
-        n_layers=meta["llama.block_count"],
-        n_heads=meta["llama.attention.head_count"],
-        n_kv_heads=meta["llama.attention.head_count_kv"],
-        d_ff=meta["llama.feed_forward_length"],
-        rope_theta=float(meta["llama.rope.freq_base"]),
-        norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        tie_embeddings=tie_embeddings,
-        dtype=dtype,
-    )
+    return Config(vocab_size=len(meta["tokenizer.ggml.tokens"]), d_model=meta["llama.embedding_length"],
+                  n_layers=meta["llama.block_count"], n_heads=meta["llama.attention.head_count"],
+                  n_kv_heads=meta["llama.attention.head_count_kv"], d_ff=meta["llama.feed_forward_length"],
+                  rope_theta=float(meta["llama.rope.freq_base"]),
+                  norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+                  tie_embeddings=tie_embeddings, dtype=dtype)
 
 
 def load_params(path=None, dtype="float32"):
@@ -96,9 +87,8 @@ def load_params(path=None, dtype="float32"):
         w = gguf.dequantize(*tensors[name])
         return w.T if transpose else w
 
-    names = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
-             "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up",
-             "w_down": "ffn_down"}
+    names = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v",
+             "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
     layers = {}
     for ours, theirs in names.items():
         matrix = not ours.endswith("norm")

@@ -186,14 +186,15 @@ def test_tiny_model_overfits_one_trace(params):
     assert jax.tree.leaves(params)[0].shape   # the caller's params are still alive (not donated)
 
 
-def test_evaluate_nats_per_byte():
+def test_evaluate_counts_the_supervised_tokens():
     rng = np.random.default_rng(8)
     examples = [trace(rng, 20), trace(rng, 30)]
-    bytes_per_token = np.full(TINY.vocab_size, 2)   # every token is 2 bytes long
     p = model.init(jax.random.PRNGKey(1), TINY)
-    ev = tr.evaluate(p, TINY, examples, seq_len=32, batch_size=4, bytes_per_token=bytes_per_token)
+    ev = tr.evaluate(p, TINY, examples, seq_len=32, batch_size=4)
     assert ev["n_tokens"] == sum(int(a[1:].sum()) for _, a in examples)
-    np.testing.assert_allclose(ev["nats_per_byte"], ev["loss"] / 2, rtol=1e-6)
+    nll = [float(tr.masked_mean(tr.token_nll(model.forward(p, TINY, t[None, :-1]), t[None, 1:]), a[None, 1:])[0])
+           for t, a in examples]                       # each trace alone, unpacked
+    np.testing.assert_allclose(ev["loss"], np.average(nll, weights=[a[1:].sum() for _, a in examples]), rtol=1e-5)
 
 
 # ---------------------------------------------------------------- 5. checkpoints

@@ -17,8 +17,10 @@ The recipes here are shared with experiments/03_calculator.py and 04_recovery.py
 """
 
 import argparse
+import itertools
 import json
 import pathlib
+import sys
 import time
 
 import jax
@@ -84,6 +86,28 @@ def accuracy(records, ms):
     return float(np.mean([r.answer == m.answer for r, m in zip(records, ms)]))
 
 
+_COLOUR = {chat.PROGRAM: "\x1b[2;36m", chat.MODEL: "\x1b[1;32m"}   # program: dim cyan; model: bold green
+_RESET = "\x1b[0m"
+
+
+def show(tokens, authors, tok, color=None):
+    """The text with its authors told apart. Without colour, program text is in [brackets]:
+
+        [<|user|>What is 4821 + 3907?<|assistant|>]<|call|>add 4821 3907<|result|>[8728<|assistant|>]8728<|end|>
+    """
+    if color is None:
+        color = sys.stdout.isatty()
+    out = []
+    pairs = zip((int(t) for t in tokens), (int(a) for a in authors))
+    for author, run in itertools.groupby(pairs, key=lambda p: p[1]):
+        piece = tok.decode([t for t, _ in run])
+        if color:
+            out.append(_COLOUR.get(author, "") + piece + _RESET)
+        else:
+            out.append(f"[{piece}]" if author == chat.PROGRAM else piece)
+    return "".join(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minagent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,9 +142,9 @@ def main(argv=None):
     print(f"  answering directly    {round(acc_direct * n):>4} / {n}   ({acc_direct:.1%})")
 
     print("\none episode ([program] / model):")
-    print("  " + chat.show(with_tool[0].tokens, with_tool[0].authors, tok))
+    print("  " + show(with_tool[0].tokens, with_tool[0].authors, tok))
     print(f"the control on the same question (right answer {test_ms[0].answer}):")
-    print("  " + chat.show(control[0].tokens, control[0].authors, tok))
+    print("  " + show(control[0].tokens, control[0].authors, tok))
 
     # The cache: the same four-call missions with and without it (greedy: the same tokens either way).
     four = missions.generate(20, seed=args.seed + 3, split="train", families=["sort_ages"])
