@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from minagent import int8
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -99,10 +101,12 @@ def dense(x_BxTxI, w_IxO):
     """x @ w with the leading axes folded into one: [B, T, I] -> [B*T, I] @ [I, O] -> [B, T, O].
 
     The same product. Why fold: on CPU, XLA's backward pass through a 3-D product writes its
-    gradients through slow transposes; the 2-D one does not.
+    gradients through slow transposes; the 2-D one does not. w may be int8 (int8.quantize).
     """
     *lead, I = x_BxTxI.shape
-    return (x_BxTxI.reshape(-1, I) @ w_IxO).reshape(*lead, w_IxO.shape[-1])
+    x_MxI = x_BxTxI.reshape(-1, I)
+    y_MxO = int8.dot(x_MxI, w_IxO) if isinstance(w_IxO, int8.Int8) else x_MxI @ w_IxO
+    return y_MxO.reshape(*lead, y_MxO.shape[-1])
 
 
 def rms_norm(x_BxTxD, w_D, eps):
@@ -172,6 +176,8 @@ def unembed(params, cfg, x_BxTxD):
     """Final norm and output head -> float32 logits."""
     h_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
     w_DxV = params["unembed"] if "unembed" in params else params["embed"].T
+    if isinstance(w_DxV, int8.Int8):
+        return dense(h_BxTxD, w_DxV).astype(jnp.float32)
     B, T, D = h_BxTxD.shape          # folded to 2-D as in dense()
     return jnp.dot(h_BxTxD.reshape(B * T, D), w_DxV, preferred_element_type=jnp.float32).reshape(B, T, -1)
 

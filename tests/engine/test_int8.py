@@ -1,0 +1,91 @@
+"""int8 weights: the product's error bound, the params' layout, and the paged steps equal forward with them.
+
+    python -m pytest tests/engine/test_int8.py -q
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minagent import int8, model
+from minagent.batch import Batch
+
+V = 40
+
+
+def tiny_model(tie_embeddings=True):
+    """Random weights scaled up (as in test_batch) so that greedy decoding does not repeat one token."""
+    cfg = model.Config(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                       tie_embeddings=tie_embeddings)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+    return jax.tree.map(lambda w: 4.0 * w if w.ndim > 1 else w, params), cfg
+
+
+def as_float(w):
+    """An Int8's matrix back in float32, in model.init's [..., I, O] layout."""
+    return np.swapaxes(np.asarray(w.q, np.float32) * np.asarray(w.scale), -1, -2)
+
+
+def test_dot_is_the_float_product_within_its_bound():
+    """int8.dot(x, w) against x @ (q * scale) in float64: off by at most max|x_m| / 64,516 times
+    sum_i |w_io| (x's two int8 parts; the int32 sums are exact), and a row alone (w first in the
+    product) gives the answer it gets among six (x first), to float rounding."""
+    rng = np.random.default_rng(0)
+    x_MxI = rng.standard_normal((6, 96)).astype(np.float32) * rng.uniform(0.01, 100, (6, 1)).astype(np.float32)
+    x_MxI[2] = 0.0                                                       # a row of zeros
+    w = int8.Int8(*int8._int8(jnp.asarray(rng.standard_normal((80, 96)), jnp.float32)))   # [O, I]
+    got_MxO = np.asarray(int8.dot(jnp.asarray(x_MxI), w), np.float64)
+    exact_MxO = x_MxI.astype(np.float64) @ as_float(w).astype(np.float64)
+    bound_MxO = np.abs(x_MxI).max(1, keepdims=True) / 64_516 * np.abs(as_float(w)).sum(0) + 1e-5 * np.abs(exact_MxO)
+    assert np.all(np.abs(got_MxO - exact_MxO) <= bound_MxO)
+    assert np.all(got_MxO[2] == 0.0)
+    one_row = [np.asarray(int8.dot(jnp.asarray(x_MxI[m:m + 1]), w))[0] for m in range(6)]
+    np.testing.assert_allclose(np.stack(one_row), got_MxO, rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
+    for tie in (True, False):
+        params, cfg = tiny_model(tie)
+        q = int8.quantize(params)
+        assert q["embed"] is params["embed"] and q["final_norm"] is params["final_norm"]
+        for name, w in params["layers"].items():
+            if name.endswith("norm"):
+                assert q["layers"][name] is w
+                continue
+            got = q["layers"][name]
+            L, I, O = w.shape
+            assert got.q.dtype == jnp.int8 and got.q.shape == (L, O, I) and got.scale.shape == (L, O, 1)
+            step = np.swapaxes(np.asarray(got.scale), -1, -2)
+            assert np.all(np.abs(as_float(got) - np.asarray(w)) <= step / 2 * (1 + 1e-6))
+        head = params["unembed"] if not tie else params["embed"].T
+        step = np.asarray(q["unembed"].scale).T
+        assert np.all(np.abs(as_float(q["unembed"]) - np.asarray(head)) <= step / 2 * (1 + 1e-6))
+        tokens = jnp.arange(20)[None] % V                       # and the logits move by int8's error only
+        ref = np.asarray(model.forward(params, cfg, tokens))
+        assert np.abs(np.asarray(model.forward(q, cfg, tokens)) - ref).max() < 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("per_layer", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_paged_steps_with_int8_weights_equal_forward_with_them(per_layer):
+    """The Batch with int8 params (per layer and stacked) gives forward's logits with the same params:
+    each row of activations is split into int8 parts alone, so a token's product does not depend on
+    how many tokens go through the model with it (to float rounding: 1e-3 of logits of scale 1)."""
+    params, cfg = tiny_model()
+    q = int8.quantize(params)
+    prompts = [[7], [5, 6, 7, 8, 9], [(3 * j) % V for j in range(23)]]
+    batch = Batch(q, cfg, slots=2, n_pages=30, page_size=4, max_len=64, buckets=(4, 16), per_layer=per_layer,
+                  keep_logits=True)
+    layers = batch.params["layers"]
+    assert isinstance((layers[0] if per_layer else layers)["wq"], int8.Int8)
+    ids = [batch.add(p, 10) for p in prompts]
+    while batch.running():
+        batch.step()
+        for i in ids:
+            if batch.seqs[i].status == "length":
+                batch.finish(i)
+    for i, p in zip(ids, prompts):
+        tokens = batch.seqs[i].tokens
+        ref_TxV = np.asarray(model.forward(q, cfg, np.array([tokens])))[0, len(p) - 1:-1]
+        np.testing.assert_allclose(np.stack(batch.seqs[i].logits), ref_TxV, atol=1e-3, rtol=0)
+        assert tokens[len(p):] == list(ref_TxV.argmax(-1))
