@@ -12,6 +12,7 @@ SmolLM2-135M-Instruct, the same chat prompt in every row, `--new` greedy tokens.
     minagent f32                float32 weights (minagent dequantizes the GGUF file itself)
     minagent bf16, f32 cache    the same weights rounded to bfloat16, the KV cache in float32
     minagent bf16, bf16 cache   the same with the cache in bfloat16
+    minagent int8               the float32 weights in int8 (minagent/int8.py), activations split in two int8 parts
     transformers f32 / bf16     the same weights (its GGUF loader dequantizes too), float32 / bfloat16
     llama.cpp                   batch 1 only: llama-cpp-python on the GGUF file as it is (quantized weights)
 
@@ -20,7 +21,10 @@ Each timed run covers everything from the prompt to the last token (prefill incl
 `generate` does); compiling happens in an untimed warm-up run. The engines take turns,
 `--repeats` times, so that load from other processes on the machine hits them all; the table
 reports the best run of each, and the median decode step of the best run (steadier than a total
-under bursts of load). Greedy tokens are compared with minagent f32's: how many leading tokens agree.
+under bursts of load). Greedy tokens are compared with minagent f32's: how many leading tokens agree;
+and for minagent's other weights, on minagent f32's tokens (teacher forcing), how often the top
+token is the same and the mean KL divergence of the next-token distributions (steadier than agreement,
+which ends at the first near tie).
 Run it on an idle machine: with two threads each and other work running, torch's threads slow
 down far more than XLA's, which flatters minagent. The script warns when the load average is above 0.5.
 
@@ -53,7 +57,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minagent import chat, decode, model, tokenfile, weights  # noqa: E402
+from minagent import chat, decode, int8, model, tokenfile, weights  # noqa: E402
 from minagent.batch import Batch  # noqa: E402
 from minagent.cache import pages_for  # noqa: E402
 
@@ -63,7 +67,8 @@ SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging
 REFERENCE = "minagent f32"       # the engine whose greedy tokens the others are compared with
 BATCH_1_ONLY = ("llama.cpp",)
 RATIOS = [("minagent f32", "transformers f32"), ("minagent bf16", "transformers bf16"),
-          ("minagent bf16", "minagent f32"), ("minagent f32", "llama.cpp"), ("minagent bf16", "llama.cpp")]
+          ("minagent bf16", "minagent f32"), ("minagent f32", "llama.cpp"), ("minagent bf16", "llama.cpp"),
+          ("minagent int8", "minagent f32"), ("minagent int8", "transformers f32"), ("minagent int8", "llama.cpp")]
 
 
 @dataclasses.dataclass
@@ -144,6 +149,17 @@ def llama_cpp_run(llm, prompt, new):
     return Run(stamps[-1] - t0, [t - t0 for t in stamps], tokens)
 
 
+def fidelity(variant, reference, prompt, tokens):
+    """On prompt + tokens (minagent f32's greedy ones): how often the variant's top next token is the
+    reference's, and the mean KL(reference || variant) of the next-token distributions, in nats.
+    variant, reference: (params, cfg)."""
+    seq = jnp.asarray([list(prompt) + list(tokens)])
+    ref, got = (jax.nn.log_softmax(model.forward(p, c, seq)[0, len(prompt) - 1:-1].astype(jnp.float32))
+                for p, c in (reference, variant))
+    return {"top1_same": int((ref.argmax(-1) == got.argmax(-1)).sum()), "of": len(tokens),
+            "kl_nats": float(jnp.mean(jnp.sum(jnp.exp(ref) * (ref - got), axis=-1)))}
+
+
 def step_ms(stamps):
     """Median time of a decode step (after the first, which includes the prefill), in ms: robust to bursts
     of load from other processes, which a total time is not."""
@@ -164,7 +180,7 @@ def measure(engines, B, args):
         for name in names:
             runs[name].append(engines[name](B))
     reference = runs[REFERENCE][-1].tokens
-    row = {"batch": B, "new_tokens": args.new, "engines": {}}
+    row = {"batch": B, "new_tokens": args.new, "engines": {}, "reference_tokens": [int(t) for t in reference]}
     for name in names:
         best = min(run.seconds for run in runs[name])
         row["engines"][name] = {
@@ -291,12 +307,6 @@ def overhead_line(overhead):
             f"{100 * overhead['share_outside_jit']:.1f}% outside")
 
 
-def overhead_line(overhead):
-    return (f"host overhead at batch {overhead['batch']} (d_model 64, 2 layers): {overhead['ms_per_step']:.2f} ms "
-            f"per step, {overhead['ms_in_jit_per_step']:.2f} ms inside jit, "
-            f"{100 * overhead['share_outside_jit']:.1f}% outside")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -314,9 +324,11 @@ def main():
     path = weights.smollm2_path()
     params, cfg = weights.load_params(path)
     params16, cfg16 = to_bfloat16(params), dataclasses.replace(cfg, dtype="bfloat16")
+    params8 = int8.quantize(params)
     engines = {"minagent f32": lambda B: minagent_run(params, cfg, prompt, B, args.new),
                "minagent bf16, f32 cache": lambda B: minagent_run(params16, cfg16, prompt, B, args.new),
-               "minagent bf16, bf16 cache": lambda B: minagent_run(params16, cfg16, prompt, B, args.new, "bfloat16")}
+               "minagent bf16, bf16 cache": lambda B: minagent_run(params16, cfg16, prompt, B, args.new, "bfloat16"),
+               "minagent int8": lambda B: minagent_run(params8, cfg, prompt, B, args.new)}
     versions = {"jax": jax.__version__}
     if args.no_ref:
         tok = tokenfile.from_gguf(path)         # the prompt SmolLM2's chat template makes, without transformers
@@ -354,12 +366,16 @@ def main():
         print_row(rows[-1])
         sys.stdout.flush()
 
+    tokens = rows[0]["reference_tokens"]
+    quality = {name: fidelity(variant, (params, cfg), prompt, tokens)
+               for name, variant in (("minagent bf16", (params16, cfg16)), ("minagent int8", (params8, cfg)))}
     overhead = host_overhead(steps=16 if args.quick else 64)
     n_cores = len(os.sched_getaffinity(0))
     cores = "1 core (--one-core)" if args.one_core else f"{n_cores} core{'s' * (n_cores > 1)}"
     result = {"device": f"{platform.processor() or platform.machine()}, {cores}", **versions,
               "prompt_tokens": len(prompt), "load_average_before": load_before,
-              "load_average_after": os.getloadavg(), "rows": rows, "host_overhead": overhead}
+              "load_average_after": os.getloadavg(), "rows": rows, "teacher_forced": quality,
+              "host_overhead": overhead}
     result["machine_busy"] = max(load_before[0], result["load_average_after"][0]) > 0.5
 
     print(f"\nSmolLM2-135M greedy decode, CPU ({result['device']}), {len(prompt)}-token prompt, "
@@ -382,6 +398,9 @@ def main():
             print(f"{row['batch']:>5} floor {row['matmul_floor_ms']['xla_ms']:.1f} / "
                   f"{row['matmul_floor_ms']['torch_ms']:.1f} ms, best possible step ratio "
                   f"{row['best_possible_step_ratio']:.2f}")
+    for name, q in quality.items():
+        print(f"{name} against minagent f32 on its {q['of']} greedy tokens: top token the same {q['top1_same']} / "
+              f"{q['of']}, mean KL {q['kl_nats']:.4f} nats")
     print(overhead_line(overhead))
     if args.quick or args.no_ref:    # a smoke test, or nothing to compare with: keep the real results
         return
