@@ -30,6 +30,7 @@ import common
 from minagent import chat, lora, model, train, weights
 from minagent import tokenizer as tk
 from minagent.tasks.calculator import demo, missions
+from minagent.tasks.show import show
 
 # SmolLM2 trains on far fewer missions: half of them additions, the rest one of each other family.
 SMOL_FAMILIES = ("add",) * 10 + tuple(f for f in demo.FAMILIES if f != "add")
@@ -91,7 +92,7 @@ def by_family(records, ms, tok):
 
 
 def transcript(record, tok):
-    return chat.show(record.tokens, record.authors, tok, color=False)
+    return show(record.tokens, record.authors, tok, color=False)
 
 
 def evaluate(params, cfg, tok, ms, fmt, **kw):

@@ -28,6 +28,7 @@ import numpy as np
 import common
 from minagent import agent, chat, model, train
 from minagent.tasks.calculator import demo, missions
+from minagent.tasks.show import show
 from minagent.tools import BUSY, Toolbox
 
 SPLITS = {"train": "training phrasings", "test": "held-out phrasings"}
@@ -125,7 +126,7 @@ def _error_kind(result):
 
 
 def transcripts(records, tok, k):
-    return [chat.show(r.tokens, r.authors, tok, color=False) for r in records[:k]]
+    return [show(r.tokens, r.authors, tok, color=False) for r in records[:k]]
 
 
 # ---------------------------------------------------------------- 1. transient failures

@@ -31,6 +31,7 @@ from minagent import agent, chat, model, train
 from minagent import tokenizer as tk
 from minagent.batch import Batch
 from minagent.tasks.context import book, counting, fit, reading
+from minagent.tasks.show import show
 
 FMT = chat.MINAGENT
 
@@ -267,7 +268,7 @@ def part_c(args, params, cfg, tok):
                          refills=float(np.mean([rec.refills for rec in recs])),
                          steps={int(k): v for k, v in sorted(steps.items())},
                          seconds=round(time.perf_counter() - t0, 1),
-                         example=chat.show(recs[0].tokens, recs[0].authors, tok, color=False)))
+                         example=show(recs[0].tokens, recs[0].authors, tok, color=False)))
     print(f"\n(c) {len(rs)} test missions of {args.test_lengths[0]}-{args.test_lengths[1]} chapters "
           f"(whole: {min(whole)}-{max(whole)} tokens), budget {args.budget_c}, greedy")
     print(f"{'condition':<19} {'max_len':>7} {'right':>5} {'statuses':<28} {'calls':>5} {'notes right':>11} "

@@ -31,6 +31,7 @@ import common
 from minagent import chat, lora, model, train, weights
 from minagent import tokenizer as tk
 from minagent.tasks.calculator import demo, missions
+from minagent.tasks.show import show
 
 FOUR = ("You can call these tools:\n"
         "add A B adds two numbers.\n"
@@ -123,7 +124,7 @@ def score(records, ms, tok, n_examples):
         first_tool=dict(collections.Counter(ns[0] if ns else "(no call)" for ns in names).most_common()),
         calls_per_episode=float(np.mean([len(r.calls) for r in records])),
         statuses=dict(collections.Counter(r.status for r in records)),
-        examples=[chat.show(r.tokens, r.authors, tok, color=False) for r in records[:n_examples]])
+        examples=[show(r.tokens, r.authors, tok, color=False) for r in records[:n_examples]])
 
 
 def run(params, cfg, tok, fmt, ms, args):

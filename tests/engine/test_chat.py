@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from minagent import chat
-from minagent.tasks.calculator import demo, missions
+from minagent.tasks.calculator import missions
+from minagent.tasks.show import show
 from minagent import tokenizer as tk
 from minagent.chat import CHATML, MINAGENT, MODEL, PROGRAM
 from minagent.tools import Toolbox
@@ -95,9 +96,9 @@ def test_render_by_segments_equals_encoding_the_whole_text(toks, name):
 def test_show_marks_program_text(toks):
     fmt, tok = toks["minagent"]
     tokens_T, authors_T = chat.render(_doc_trace(fmt), tok)
-    assert demo.show(tokens_T, authors_T, tok, color=False) == \
+    assert show(tokens_T, authors_T, tok, color=False) == \
         "[<|user|>What is 4821 + 3907?<|assistant|>]<|call|>add 4821 3907<|result|>[8728<|assistant|>]8728<|end|>"
-    coloured = demo.show(tokens_T, authors_T, tok, color=True)
+    coloured = show(tokens_T, authors_T, tok, color=True)
     assert "\x1b[" in coloured and re.sub(r"\x1b\[[0-9;]*m", "", coloured) == DOC_TEXT["minagent"]
 
 

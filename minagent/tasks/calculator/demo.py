@@ -17,10 +17,8 @@ The recipes here are shared with experiments/03_calculator.py and 04_recovery.py
 """
 
 import argparse
-import itertools
 import json
 import pathlib
-import sys
 import time
 
 import jax
@@ -29,6 +27,7 @@ import numpy as np
 from minagent import agent, chat, model, train
 from minagent import tokenizer as tk
 from minagent.tasks.calculator import missions
+from minagent.tasks.show import show
 from minagent.tools import Toolbox
 
 FMT = chat.MINAGENT
@@ -84,28 +83,6 @@ def run_missions(params, cfg, tok, ms, direct=False, fmt=FMT, *, slots=64, max_l
 
 def accuracy(records, ms):
     return float(np.mean([r.answer == m.answer for r, m in zip(records, ms)]))
-
-
-_COLOUR = {chat.PROGRAM: "\x1b[2;36m", chat.MODEL: "\x1b[1;32m"}   # program: dim cyan; model: bold green
-_RESET = "\x1b[0m"
-
-
-def show(tokens, authors, tok, color=None):
-    """The text with its authors told apart. Without colour, program text is in [brackets]:
-
-        [<|user|>What is 4821 + 3907?<|assistant|>]<|call|>add 4821 3907<|result|>[8728<|assistant|>]8728<|end|>
-    """
-    if color is None:
-        color = sys.stdout.isatty()
-    out = []
-    pairs = zip((int(t) for t in tokens), (int(a) for a in authors))
-    for author, run in itertools.groupby(pairs, key=lambda p: p[1]):
-        piece = tok.decode([t for t, _ in run])
-        if color:
-            out.append(_COLOUR.get(author, "") + piece + _RESET)
-        else:
-            out.append(f"[{piece}]" if author == chat.PROGRAM else piece)
-    return "".join(out)
 
 
 def main(argv=None):
