@@ -44,6 +44,7 @@ def test_dot_is_the_float_product_within_its_bound():
     np.testing.assert_allclose(np.stack(one_row), got_MxO, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
     for tie in (True, False):
         params, cfg = tiny_model(tie)
