@@ -7,8 +7,8 @@ the training phrasings: tool and tool + arguments accuracy of SmolLM2-135M-Instr
 with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, the same steps for every
 size), of a bag-of-words classifier and a random tool; per tool and per kind of request; unasked
 refunds, missed requests for a person; validity, free and under constrained decoding (grammar.py);
-the approval gate; the exit margin (margin.py), which keeps an ask_human answer only when the model
-clearly prefers it.
+the approval gate; the margins (margin.py), which keep an ask_human or a refund answer only when the
+model clearly prefers it.
 The recipe (RECIPES) was chosen with --choose on a validation split of the training side, never on
 the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
@@ -18,7 +18,7 @@ the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained agai
     python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min a size
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
     python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
-    python experiments/07_tool_choice.py --only margin       # the exit margin (margin.py) on LoRA 500: ~20 min
+    python experiments/07_tool_choice.py --only margin       # the exit and refund margins (margin.py), LoRA 500: ~25 min
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
 Times on 2 CPU cores shared with other jobs; not run on a GPU. --retrain trains the adapters again.
 Writes experiments/results/07_tool_choice.json (--only replaces that part), 07_tool_choice.png (per tool)
@@ -69,6 +69,13 @@ CHOSEN = "E"
 # "margin_any_tool", experiments/LOG.md.)
 MARGINS = (0.0, 1.0, 2.0, 3.0, 4.0)
 MARGIN = 2.0
+# The refund rule (margin.refund_leads), after the exit rule at MARGIN. Validation has no refund called unasked
+# to learn from: its 29 refund answers were all asked for, refund leading ask_human by 0.59 to 9.63 nats, and
+# every request that was not a refund had refund behind ask_human by 2.77 nats or more. So no new constant:
+# the same 2 nats as the exit, which moves one of validation's refunds (0.59) to a person. Fixed before the
+# rule was scored on any test request.
+REFUND_MARGINS = MARGINS
+REFUND_MARGIN = MARGIN
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
 TOOLS = tuple(gate.TOOLS)
 KINDS = ("normal", "person", "injection")
@@ -338,14 +345,18 @@ def part_constrained(params, cfg, tok, args, sets):
 
 
 def part_margin(params, cfg, tok, args, sets):
-    """The exit margin (margin.py) for the largest model, free decoding: every margin of MARGINS on the
-    validation split (where MARGIN was chosen), margin 0 and MARGIN on the held-out and seen requests, and
-    on "fresh": another draw of the test pool (test_set(seed + 1): the test phrasings, new values and
-    combinations), scored only after margin.MOVABLE was narrowed on a held-out result."""
+    """The margins (margin.py) for the largest model, free decoding. The exit rule: every margin of MARGINS on
+    the validation split (where MARGIN was chosen), margin 0 and MARGIN on the other splits. The refund rule,
+    after the exit rule at MARGIN: every margin of REFUND_MARGINS on validation, 0 and REFUND_MARGIN elsewhere.
+    The splits beyond the held-out and seen requests are other draws of their pools, new values and
+    combinations: "fresh" (test_set(seed + 1), first scored after margin.MOVABLE was narrowed on a held-out
+    result) and "fresh_seen" (seen_test_set(n, seed + 1), first scored after the refund rule was fixed)."""
     p, end = params[f"lora{max(args.sizes)}"], tok.special(FMT.end)
-    fresh = data.test_set(seed=args.seed + 1)[:len(sets["test"])]
-    out = {}
-    for split, reqs in ({"val": data.val_set(seed=args.seed)[:args.val]} | sets | {"fresh": fresh}).items():
+    splits = {"val": data.val_set(seed=args.seed)[:args.val]} | sets
+    splits |= {"fresh": data.test_set(seed=args.seed + 1)[:len(sets["test"])],
+               "fresh_seen": data.seen_test_set(args.seen, seed=args.seed + 1)}
+    out, refund = {}, {}
+    for split, reqs in splits.items():
         t0 = time.perf_counter()
         prompts = [data.prompt(r, FMT) for r in reqs]
         texts, stopped = grammar.answers(p, cfg, tok, prompts, end, **decoding(args))
@@ -353,13 +364,20 @@ def part_margin(params, cfg, tok, args, sets):
         out[split] = {f"{m:g}": score(reqs, *margin.with_margin(texts, stopped, leads, m), args.n_errors)
                       for m in (MARGINS if split == "val" else (0.0, MARGIN))}
         out[split]["leads"] = sorted((round(lead.lead, 2), reqs[i].tool, lead.tool) for i, lead in leads.items())
+        texts, stopped = margin.with_margin(texts, stopped, leads, MARGIN)
+        doubts = margin.refund_leads(p, cfg, tok, prompts, texts, end, below=max(REFUND_MARGINS), **decoding(args))
+        refund[split] = {f"{m:g}": score(reqs, *margin.with_margin(texts, stopped, doubts, m), args.n_errors)
+                         for m in (REFUND_MARGINS if split == "val" else (0.0, REFUND_MARGIN))}
+        refund[split]["leads"] = sorted((round(d.lead, 2), reqs[i].tool, reqs[i].kind) for i, d in doubts.items())
         out[split]["seconds"] = time.perf_counter() - t0
-        for m, r in out[split].items():
-            if isinstance(r, dict):
-                s = r["safety"]
-                print(f"  margin {m:>3} {split:5} tool {r['tool']:6.1%}  tool+args {r['tool_args']:6.1%}  refund "
-                      f"unasked {s['refund_unasked']['k']}  person missed {s['person_missed']['k']}")
-    return dict(model=f"lora{max(args.sizes)}", margins=MARGINS, chosen=MARGIN, **out)
+        for rule, res in (("exit", out[split]), ("refund", refund[split])):
+            for m, r in res.items():
+                if isinstance(r, dict):
+                    s = r["safety"]
+                    print(f"  {rule:6} margin {m:>3} {split:10} tool {r['tool']:6.1%}  tool+args {r['tool_args']:6.1%}"
+                          f"  refund unasked {s['refund_unasked']['k']}  person missed {s['person_missed']['k']}")
+    return dict(model=f"lora{max(args.sizes)}", margins=MARGINS, chosen=MARGIN, **out,
+                refund=dict(margins=REFUND_MARGINS, chosen=REFUND_MARGIN, **refund))
 
 
 # ---------------------------------------------------------------- tables
@@ -374,6 +392,8 @@ def label(name):
         return f"SmolLM2 + LoRA, {name[4:]} ex."
     if name.startswith("margin "):
         return f"LoRA, exit {name}"
+    if name.startswith("refund margin "):
+        return f"LoRA, exit {MARGIN:g}, {name}"
     return f"bag of words, {name[10:]} ex."
 
 
@@ -479,16 +499,18 @@ def print_all(results):
 
 
 def print_margin(m):
-    """The exit margin's rows: each margin on validation, margin 0 and the chosen one on the other splits."""
+    """The margins' rows: each margin on validation, margin 0 and the chosen one on the other splits;
+    the exit rule's, then the refund rule's (applied after the exit rule at its chosen margin)."""
     if not m:
         return
-    for split, title in (("val", "validation"), ("test", "held-out"), ("seen", "seen phrasings"),
-                         ("fresh", "another draw of the held-out pool")):
-        if split not in m:
-            continue
-        rows = {f"margin {k}": r for k, r in m[split].items() if isinstance(r, dict)}
-        print_accuracy(rows, f"{m['model']} with an exit margin (chosen: {m['chosen']:g} nats), {title}")
-        print_gate({f"margin {m['chosen']:g}": rows[f"margin {m['chosen']:g}"]}, title)
+    titles = dict(val="validation", test="held-out", seen="seen phrasings", fresh="another draw of the held-out pool",
+                  fresh_seen="another draw of the seen phrasings")
+    for rule, res in (("an exit", m), ("a refund", m.get("refund", {}))):
+        for split in (s for s in titles if s in res):
+            name = "margin" if rule == "an exit" else "refund margin"
+            rows = {f"{name} {k}": r for k, r in res[split].items() if k in {f"{x:g}" for x in res["margins"]}}
+            print_accuracy(rows, f"{m['model']} with {rule} margin (chosen: {res['chosen']:g} nats), {titles[split]}")
+            print_gate({f"{name} {res['chosen']:g}": rows[f"{name} {res['chosen']:g}"]}, titles[split])
     print_errors({f"margin {m['chosen']:g}": m["test"][f"{m['chosen']:g}"]}, f"{m['model']}, held-out")
 
 
@@ -530,7 +552,7 @@ def main(argv=None):
         results["constrained"] = part_constrained(params, cfg, tok, args, sets)
         minutes["constrained"] = (time.perf_counter() - t1) / 60
     if args.only in (None, "margin"):
-        print("the exit margin")
+        print("the exit and refund margins")
         t1 = time.perf_counter()
         results["margin"] = part_margin(params, cfg, tok, args, sets)
         minutes["margin"] = (time.perf_counter() - t1) / 60

@@ -248,12 +248,19 @@ def test_07_tool_choice_quick(tmp_path):
     m = res["margin"]                                                # the exit margin, on the largest model
     assert m["model"] == "lora20" and m["chosen"] in m["margins"]
     assert set(m["val"]) == {f"{x:g}" for x in m["margins"]} | {"leads", "seconds"}
-    for split, n in (("val", 10), ("test", 15), ("seen", 10), ("fresh", 15)):
+    rf = m["refund"]                                                 # the refund rule, after the exit rule
+    assert rf["chosen"] in rf["margins"] and set(rf["val"]) == {f"{x:g}" for x in rf["margins"]} | {"leads"}
+    for split, n in (("val", 10), ("test", 15), ("seen", 10), ("fresh", 15), ("fresh_seen", 10)):
         rows = [m[split][f"{x:g}"] for x in sorted(m["margins"]) if f"{x:g}" in m[split]]
         assert all(r["n"] == n and r["gate"]["refunds_executed"] == 0 for r in rows)
         missed = [r["safety"]["person_missed"]["k"] for r in rows]
         assert missed == sorted(missed)             # a larger margin only moves answers away from ask_human
         assert all(lead < max(m["margins"]) for lead, _, _ in m[split]["leads"])
+        rows = [rf[split][f"{x:g}"] for x in sorted(rf["margins"]) if f"{x:g}" in rf[split]]
+        assert rows[0] == m[split][f"{m['chosen']:g}"]      # refund margin 0: the exit rule's answers unchanged
+        unasked = [row["safety"]["refund_unasked"]["k"] for row in rows]
+        assert unasked == sorted(unasked, reverse=True)     # a larger margin only moves answers away from refund
+        assert all(lead < max(rf["margins"]) for lead, _, _ in rf[split]["leads"])
     assert_figure(tmp_path, "07_tool_choice.py")
     if HAS_MATPLOTLIB:
         assert (tmp_path / "07_tool_choice_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

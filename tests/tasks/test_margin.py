@@ -1,5 +1,6 @@
 """The exit margin (minagent/tasks/shop/margin.py): the five tools' scores are the model's own
-log-probabilities, and the rule only ever moves an ask_human answer, and never to a tool that needs approval.
+log-probabilities; the exit rule only ever moves an ask_human answer, and never to a tool that needs approval;
+the refund rule only ever moves a refund answer, and only to ask_human.
 
     python -m pytest tests/tasks/test_margin.py -q
 
@@ -23,6 +24,7 @@ REQS = data.test_set(0)[:3]
 PROMPTS = [chat.Segment(chat.PROGRAM, r.text) for r in REQS]
 ASK = '{"tool": "ask_human", "args": {"reason": "unclear request"}}'
 STATUS = '{"tool": "order_status", "args": {"order_id": "A1234"}}'
+REFUND = '{"tool": "refund", "args": {"order_id": "A1234", "amount": 20}}'
 
 
 def reference_score(prompt, tool):
@@ -80,3 +82,16 @@ def test_the_rule_moves_exits_under_the_margin_to_the_best_movable_tool():
     some = margin.exit_leads(PARAMS, CFG, TOK, PROMPTS, texts, END, below=m, limit=8)
     assert set(some) == {i for i, lead in leads.items() if lead.lead < m}
     assert margin.with_margin(texts, stopped, some, m) == margin.with_margin(texts, stopped, leads, m)
+
+
+def test_the_refund_rule_moves_only_refunds_and_only_to_ask_human():
+    texts = [REFUND, ASK, REFUND]
+    stopped = [True, True, False]
+    doubts = margin.refund_leads(PARAMS, CFG, TOK, PROMPTS, texts, END, below=float("inf"), limit=8)
+    assert sorted(doubts) == [0, 2]                      # the refund answers, and only those
+    for i, lead in doubts.items():
+        scores = margin.tool_scores(PARAMS, CFG, TOK, PROMPTS[i])
+        assert lead.tool == "ask_human" and lead.text.startswith(margin.opening("ask_human"))
+        assert lead.lead == pytest.approx(scores["refund"] - scores["ask_human"])
+    moved, _ = margin.with_margin(texts, stopped, doubts, max(lead.lead for lead in doubts.values()) + 1)
+    assert moved == [doubts[0].text, ASK, doubts[2].text]

@@ -1,4 +1,4 @@
-"""A margin for the exit: keep an ask_human answer only when the model clearly prefers it.
+"""Margins: an answer stands only when the model clearly prefers it, in two places the cost ranking picks.
 
 Trained on the shop's phrasings, the model meets a request in new words and takes the exit: it
 answers ask_human where a working tool was meant, often with that tool close behind. The greedy
@@ -6,18 +6,26 @@ answer names one tool, but the model scores all five: the log-probability of wri
 
     {"tool": "NAME",        after the prompt, for each NAME in gate.TOOLS   (`tool_scores`)
 
-The rule: an answer that names ask_human stands when ask_human leads the best tool it may move to
+The exit rule: an answer that names ask_human stands when ask_human leads the best tool it may move to
 by at least `margin` nats (margin 2: about 7 times as likely); otherwise the answer is written again
-with that tool's name given to the model, which writes the arguments itself (`forced`). An answer
-that names another tool is kept as it is, so the rule can only move a request away from the exit.
-It moves one only to a tool that runs without a person's approval (MOVABLE: not refund): code may
-overrule the model's caution for a cheap action, never to start a costly one the model did not
-choose. The margin is chosen on the validation split (experiments/07_tool_choice.py). The code
-after the model is unchanged: the new call goes through gate.validate and gate.execute like any other.
+with that tool's name given to the model, which writes the arguments itself (`forced`). It moves an
+exit only to a tool that runs without a person's approval (MOVABLE: not refund): code may overrule
+the model's caution for a cheap action, never to start a costly one the model did not choose.
+
+The refund rule is the same test the other way: an answer that names refund stands when refund leads
+ask_human by at least its margin; otherwise it is written again as ask_human. A refund is the one
+mistake that costs money, so the model must be sure of it; when it hesitates, a person is asked.
+
+Each rule only looks at answers that name its tool. The exit rule never writes a refund, so the refund
+rule, applied after it, judges the model's own refunds only. The margins are chosen on the
+validation split (experiments/07_tool_choice.py). The code after the model is unchanged: the new call
+goes through gate.validate and gate.execute like any other.
 
     texts, stopped = grammar.answers(params, cfg, tok, prompts, end_id)
     leads = exit_leads(params, cfg, tok, prompts, texts, end_id, below=4.0)   # {i: Lead}, computed once
     texts, stopped = with_margin(texts, stopped, leads, 2.0)                   # the answers under the rule
+    doubts = refund_leads(params, cfg, tok, prompts, texts, end_id, below=4.0)
+    texts, stopped = with_margin(texts, stopped, doubts, 1.0)
 """
 
 import dataclasses
@@ -32,11 +40,12 @@ from minagent.tasks.shop import gate, grammar
 
 EXIT = "ask_human"
 MOVABLE = tuple(t for t in gate.TOOLS if t != EXIT and t not in gate.NEEDS_APPROVAL)    # where an exit may go
+(REFUND,) = gate.NEEDS_APPROVAL            # the one tool that needs a person's approval: "refund"
 
 
 @dataclasses.dataclass(frozen=True)
 class Lead:
-    lead: float     # log p(ask_human) - log p(best MOVABLE tool), in nats
+    lead: float     # log p(the answer's tool) - log p(the best tool it may move to), in nats
     tool: str       # that tool
     text: str       # the answer written again with its name given
     stopped: bool   # whether that answer reached the end token
@@ -72,16 +81,15 @@ def forced(params, cfg, tok, prompts, tools, end_id, **kw):
     return [opening(t) + text for t, text in zip(tools, texts)], stopped
 
 
-def exit_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
-    """For each answer that names ask_human with a lead under `below` nats -> {index: Lead}.
-    Compute once with the largest margin of interest; with_margin then applies any margin up to it."""
+def _leads(params, cfg, tok, prompts, texts, end_id, below, tool, to, **kw):
+    """For each answer that names `tool` and leads the best of `to` by under `below` nats -> {index: Lead}."""
     leads = {}
     for i, (p, text) in enumerate(zip(prompts, texts)):
-        if gate.validate(text).tool == EXIT:
+        if gate.validate(text).tool == tool:
             s = tool_scores(params, cfg, tok, p)
-            best = max(MOVABLE, key=s.get)
-            if s[EXIT] - s[best] < below:
-                leads[i] = (s[EXIT] - s[best], best)
+            best = max(to, key=s.get)
+            if s[tool] - s[best] < below:
+                leads[i] = (s[tool] - s[best], best)
     idx = sorted(leads)
     if not idx:
         return {}
@@ -89,8 +97,19 @@ def exit_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
     return {i: Lead(*leads[i], text, s) for i, text, s in zip(idx, again, stopped)}
 
 
+def exit_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
+    """For each answer that names ask_human with a lead under `below` nats over MOVABLE -> {index: Lead}.
+    Compute once with the largest margin of interest; with_margin then applies any margin up to it."""
+    return _leads(params, cfg, tok, prompts, texts, end_id, below, EXIT, MOVABLE, **kw)
+
+
+def refund_leads(params, cfg, tok, prompts, texts, end_id, below, **kw):
+    """For each answer that names refund with a lead under `below` nats over ask_human -> {index: Lead}."""
+    return _leads(params, cfg, tok, prompts, texts, end_id, below, REFUND, (EXIT,), **kw)
+
+
 def with_margin(texts, stopped, leads, margin):
-    """The answers under the rule -> (texts, stopped): an ask_human answer leading by under `margin` is replaced."""
+    """The answers under a rule -> (texts, stopped): an answer in `leads` leading by under `margin` is replaced."""
     swap = {i for i, lead in leads.items() if lead.lead < margin}
     return ([leads[i].text if i in swap else t for i, t in enumerate(texts)],
             [leads[i].stopped if i in swap else s for i, s in enumerate(stopped)])
