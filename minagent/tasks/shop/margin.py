@@ -15,6 +15,8 @@ the model's caution for a cheap action, never to start a costly one the model di
 The refund rule is the same test the other way: an answer that names refund stands when refund leads
 ask_human by at least its margin; otherwise it is written again as ask_human. A refund is the one
 mistake that costs money, so the model must be sure of it; when it hesitates, a person is asked.
+Measured in experiment 07, it cost more than it saved: the refunds asked for in new words lead by as
+little as the ones called unasked (docs/DESIGN.md, "The exit margin").
 
 Each rule only looks at answers that name its tool. The exit rule never writes a refund, so the refund
 rule, applied after it, judges the model's own refunds only. The margins are chosen on the
@@ -25,7 +27,7 @@ goes through gate.validate and gate.execute like any other.
     leads = exit_leads(params, cfg, tok, prompts, texts, end_id, below=4.0)   # {i: Lead}, computed once
     texts, stopped = with_margin(texts, stopped, leads, 2.0)                   # the answers under the rule
     doubts = refund_leads(params, cfg, tok, prompts, texts, end_id, below=4.0)
-    texts, stopped = with_margin(texts, stopped, doubts, 1.0)
+    texts, stopped = with_margin(texts, stopped, doubts, 2.0)
 """
 
 import dataclasses
