@@ -93,5 +93,7 @@ def test_the_refund_rule_moves_only_refunds_and_only_to_ask_human():
         scores = margin.tool_scores(PARAMS, CFG, TOK, PROMPTS[i])
         assert lead.tool == "ask_human" and lead.text.startswith(margin.opening("ask_human"))
         assert lead.lead == pytest.approx(scores["refund"] - scores["ask_human"])
-    moved, _ = margin.with_margin(texts, stopped, doubts, max(lead.lead for lead in doubts.values()) + 1)
+    assert margin.with_margin(texts, stopped, doubts, min(lead.lead for lead in doubts.values())) == (texts, stopped)
+    moved, still = margin.with_margin(texts, stopped, doubts, max(lead.lead for lead in doubts.values()) + 1)
     assert moved == [doubts[0].text, ASK, doubts[2].text]
+    assert still == [doubts[0].stopped, True, doubts[2].stopped]

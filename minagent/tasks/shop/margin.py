@@ -19,7 +19,7 @@ Measured in experiment 07, it cost more than it saved: the refunds asked for in 
 little as the ones called unasked (docs/DESIGN.md, "The exit margin").
 
 Each rule only looks at answers that name its tool. The exit rule never writes a refund, so the refund
-rule, applied after it, judges the model's own refunds only. The margins are chosen on the
+rule, applied after it, judges the model's own refunds only. The exit margin is chosen on the
 validation split (experiments/07_tool_choice.py). The code after the model is unchanged: the new call
 goes through gate.validate and gate.execute like any other.
 
