@@ -8,7 +8,7 @@ with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, the same 
 size), of a bag-of-words classifier and a random tool; per tool and per kind of request; unasked
 refunds, missed requests for a person; validity, free and under constrained decoding (grammar.py);
 the approval gate; the margins (margin.py), which keep an ask_human or a refund answer only when the
-model clearly prefers it.
+model clearly prefers it (the refund margin was tried and not kept: experiments/LOG.md).
 The recipe (RECIPES) was chosen with --choose on a validation split of the training side, never on
 the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
 
@@ -18,7 +18,7 @@ the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained agai
     python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min a size
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
     python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
-    python experiments/07_tool_choice.py --only margin       # the exit and refund margins (margin.py), LoRA 500: ~25 min
+    python experiments/07_tool_choice.py --only margin       # the exit and refund margins (margin.py), LoRA 500: ~30 min
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
 Times on 2 CPU cores shared with other jobs; not run on a GPU. --retrain trains the adapters again.
 Writes experiments/results/07_tool_choice.json (--only replaces that part), 07_tool_choice.png (per tool)
