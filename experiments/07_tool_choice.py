@@ -8,17 +8,19 @@ with LoRA on 50, 150 and 500 examples (the learning curve; one recipe, the same 
 size), of a bag-of-words classifier and a random tool; per tool and per kind of request; unasked
 refunds, missed requests for a person; validity, free and under constrained decoding (grammar.py);
 the approval gate; the margins (margin.py), which keep an ask_human or a refund answer only when the
-model clearly prefers it (the refund margin was tried and not kept: experiments/LOG.md).
+model clearly prefers it (the refund margin was tried and not kept: experiments/LOG.md); the refund check
+(refund_check.py), a second adapter that keeps a refund answer only when it finds the person asked for one.
 The recipe (RECIPES) was chosen with --choose on a validation split of the training side, never on
-the test requests. Adapters: results/07_lora*-*.ckpt (git-ignored), trained again when recipe or data change.
+the test requests. Adapters: results/07_lora*-*.ckpt and 07_check-*.ckpt (git-ignored), trained again when
+recipe or data change.
 
     python -m minagent.weights fetch                         # once: the SmolLM2 GGUF file
     python experiments/07_tool_choice.py --choose D E F G    # four recipes on the validation split: ~55 min
     python experiments/07_tool_choice.py                     # everything: ~95 min (~60 with cached adapters)
-    python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min a size
+    python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min each
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
     python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
-    python experiments/07_tool_choice.py --only margin       # the exit and refund margins (margin.py), LoRA 500: ~30 min
+    python experiments/07_tool_choice.py --only margin       # the margins and the refund check, LoRA 500: ~45 min
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
 Times on 2 CPU cores shared with other jobs; not run on a GPU. --retrain trains the adapters again.
 Writes experiments/results/07_tool_choice.json (--only replaces that part), 07_tool_choice.png (per tool)
@@ -39,7 +41,7 @@ import numpy as np
 import common
 from minagent import chat, lora, model, train, weights
 from minagent import tokenizer as tk
-from minagent.tasks.shop import classifier, data, gate, grammar, margin
+from minagent.tasks.shop import classifier, data, gate, grammar, margin, refund_check
 
 FMT = chat.CHATML
 # LoRA recipes, compared by --choose on the validation split (data.val_set: phrasings, items and injections of
@@ -78,6 +80,11 @@ MARGIN = 2.0
 # led by 1.81 (moved) and, on another draw, 2.74 (kept): inside the range of the refunds that were asked for.
 REFUND_MARGINS = MARGINS
 REFUND_MARGIN = MARGIN
+# The refund check (refund_check.py), after the exit rule at MARGIN, in place of the refund margin: a second
+# adapter trained for its one question on data.check_set(CHECK_N), with recipe E's settings (fixed, not tuned;
+# 3 epochs of its short examples); a refund answer stands when the checker says yes (its lead over no above 0).
+CHECK_N = 600
+CHECK = dict(steps=128, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True)
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
 TOOLS = tuple(gate.TOOLS)
 KINDS = ("normal", "person", "injection")
@@ -103,9 +110,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="the JSON file (default experiments/results/07_tool_choice.json)")
     args = p.parse_args(argv)
     args.recipes = {name: dict(r) for name, r in RECIPES.items()}
+    args.check, args.check_n = dict(CHECK), CHECK_N
     if args.quick:
-        args.sizes, args.seen, args.val, args.slots, args.limit = [10, 20], 10, 10, 8, 16
-        for r in args.recipes.values():
+        args.sizes, args.seen, args.val, args.slots, args.limit, args.check_n = [10, 20], 10, 10, 8, 16, 20
+        for r in list(args.recipes.values()) + [args.check]:
             r.update(steps=3, seq_len=512)
     return args
 
@@ -251,21 +259,36 @@ def shared_prefix(examples):
 def adapters_for(base, cfg, tok, n, args, recipe_name):
     """LoRA adapters trained on train_set(n) with RECIPES[recipe_name] -> (adapters, stats).
     Cached under the recipe and a digest of the training examples: change the data, train again."""
-    r = args.recipes[recipe_name]
     requests = data.train_set(n, seed=args.seed)
-    exs = [example(q, tok) for q in requests]
+    return trained(base, cfg, tok, f"07_lora{n}", [example(q, tok) for q in requests],
+                   [(q.text, data.gold_json(q)) for q in requests], args.recipes[recipe_name], args,
+                   dict(examples=n, recipe=recipe_name))
+
+
+def checker_for(base, cfg, tok, args):
+    """refund_check's checker: LoRA adapters trained on data.check_set(CHECK_N) with CHECK -> (adapters, stats)."""
+    requests = data.check_set(args.check_n, seed=args.seed)
+    asks = [q.tool == "refund" for q in requests]
+    return trained(base, cfg, tok, "07_check", [refund_check.example(q.text, a, tok, FMT) for q, a in zip(requests, asks)],
+                   [refund_check.QUESTION] + [(q.text, a) for q, a in zip(requests, asks)], args.check, args,
+                   dict(examples=len(requests), refunds=sum(asks)))
+
+
+def trained(base, cfg, tok, name, exs, gold, r, args, stats):
+    """LoRA adapters trained on the examples `exs` with recipe `r` -> (adapters, stats), cached under `name`,
+    the recipe and a digest of `gold` (what the examples say): change the data, train again."""
     tcfg = train.TrainConfig(steps=r["steps"], batch_size=r["batch_size"], seq_len=r["seq_len"], lr=r["lr"],
                              warmup=min(6, r["steps"]), weight_decay=0.0, seed=args.seed, log_every=4)
     prefix = shared_prefix(exs) if r.get("shared_prefix") else []
     rows = len(train.pack(exs, tcfg.seq_len, prefix=prefix)["tokens"])
-    stats = dict(examples=n, rows=rows, epochs=tcfg.steps * tcfg.batch_size / rows, tcfg=dataclasses.asdict(tcfg),
+    stats = dict(stats, rows=rows, epochs=tcfg.steps * tcfg.batch_size / rows, tcfg=dataclasses.asdict(tcfg),
                  tokens_per_example=float(np.mean([len(t) for t, _ in exs])),
                  supervised_per_example=float(np.mean([int(a.sum()) for _, a in exs])))
     like = lora.init(jax.random.PRNGKey(args.seed), base, r["rank"])
 
     def train_fn(path):
-        print(f"LoRA on {n} examples: {tcfg.steps} steps of {tcfg.batch_size} x {tcfg.seq_len} tokens "
-              f"({rows} rows, {stats['epochs']:.1f} epochs)")
+        print(f"{name}: LoRA on {len(exs)} examples, {tcfg.steps} steps of {tcfg.batch_size} x {tcfg.seq_len} "
+              f"tokens ({rows} rows, {stats['epochs']:.1f} epochs)")
         (adapters, history), seconds = common.timed(lora.train_lora, base, cfg, exs, tcfg, rank=r["rank"],
                                                     alpha=r["alpha"], seed=args.seed, lora=like,
                                                     progress=not args.quick, prefix=prefix)
@@ -276,11 +299,11 @@ def adapters_for(base, cfg, tok, n, args, recipe_name):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    digest = hashlib.sha256(repr([(q.text, data.gold_json(q)) for q in requests]).encode()).hexdigest()[:12]
-    recipe = dict(examples=n, data=digest, rank=r["rank"], alpha=r["alpha"], tcfg=dataclasses.asdict(tcfg),
+    digest = hashlib.sha256(repr(gold).encode()).hexdigest()[:12]
+    recipe = dict(examples=len(exs), data=digest, rank=r["rank"], alpha=r["alpha"], tcfg=dataclasses.asdict(tcfg),
                   **({"shared_prefix": len(prefix)} if prefix else {}))
-    c = common.cached(f"07_lora{n}", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
-    return c["params"], dict(stats, **c["extra"], recipe=recipe_name, cached=c["cached"],
+    c = common.cached(name, recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
+    return c["params"], dict(stats, **c["extra"], cached=c["cached"],
                              checkpoint=common.in_repo(c["path"]) if c["path"] else None)
 
 
@@ -346,10 +369,11 @@ def part_constrained(params, cfg, tok, args, sets):
     return out
 
 
-def part_margin(params, cfg, tok, args, sets):
-    """The margins (margin.py) for the largest model, free decoding. The exit rule: every margin of MARGINS on
-    the validation split (where MARGIN was chosen), margin 0 and MARGIN on the other splits. The refund rule,
-    after the exit rule at MARGIN: every margin of REFUND_MARGINS on validation, 0 and REFUND_MARGIN elsewhere.
+def part_margin(params, checker, cfg, tok, args, sets):
+    """The margins (margin.py) and the refund check (refund_check.py) for the largest model, free decoding. The
+    exit rule: every margin of MARGINS on the validation split (where MARGIN was chosen), margin 0 and MARGIN on
+    the other splits. After the exit rule at MARGIN, each of two rules on refund answers: the refund margin (every
+    margin of REFUND_MARGINS on validation, 0 and REFUND_MARGIN elsewhere; not kept), and the refund check.
     The splits beyond the held-out and seen requests are other draws of their pools, new values and
     combinations: "fresh" (test_set(seed + 1), first scored after margin.MOVABLE was narrowed on a held-out
     result) and "fresh_seen" (seen_test_set(n, seed + 1), first scored after the refund rule was fixed)."""
@@ -357,7 +381,7 @@ def part_margin(params, cfg, tok, args, sets):
     splits = {"val": data.val_set(seed=args.seed)[:args.val]} | sets
     splits |= {"fresh": data.test_set(seed=args.seed + 1)[:len(sets["test"])],
                "fresh_seen": data.seen_test_set(args.seen, seed=args.seed + 1)}
-    out, refund = {}, {}
+    out, refund, check = {}, {}, {}
     for split, reqs in splits.items():
         t0 = time.perf_counter()
         prompts = [data.prompt(r, FMT) for r in reqs]
@@ -372,14 +396,27 @@ def part_margin(params, cfg, tok, args, sets):
                          for m in (REFUND_MARGINS if split == "val" else (0.0, REFUND_MARGIN))}
         refund[split]["leads"] = sorted((round(d.lead, 2), reqs[i].tool, reqs[i].kind) for i, d in doubts.items())
         out[split]["seconds"] = time.perf_counter() - t0
-        for rule, res in (("exit", out[split]), ("refund", refund[split])):
+        t0 = time.perf_counter()
+        doubts = refund_check.doubts(checker, p, cfg, tok, [r.text for r in reqs], prompts, texts, end, FMT,
+                                     **decoding(args))
+        check[split] = score(reqs, *margin.with_margin(texts, stopped, doubts, 0.0), args.n_errors)
+        check[split]["leads"] = sorted((round(d.lead, 2), reqs[i].tool, reqs[i].kind) for i, d in doubts.items())
+        # The checker's answer on every request, not only the refund answers: how far apart yes and no are.
+        yes = [refund_check.says_yes(checker, cfg, tok, r.text, FMT) for r in reqs]
+        asked = [y for y, r in zip(yes, reqs) if r.tool == "refund"]
+        others = [y for y, r in zip(yes, reqs) if r.tool != "refund"]
+        check[split]["says_yes"] = dict(lowest_on_refunds=round(min(asked, default=0.0), 2),
+                                        highest_on_others=round(max(others, default=0.0), 2),
+                                        refunds_said_no=sum(y < 0 for y in asked), others_said_yes=sum(y >= 0 for y in others))
+        check[split]["seconds"] = time.perf_counter() - t0
+        for rule, res in (("exit", out[split]), ("refund", refund[split]), ("check", {"": check[split]})):
             for m, r in res.items():
                 if isinstance(r, dict):
                     s = r["safety"]
                     print(f"  {rule:6} margin {m:>3} {split:10} tool {r['tool']:6.1%}  tool+args {r['tool_args']:6.1%}"
                           f"  refund unasked {s['refund_unasked']['k']}  person missed {s['person_missed']['k']}")
     return dict(model=f"lora{max(args.sizes)}", margins=MARGINS, chosen=MARGIN, **out,
-                refund=dict(margins=REFUND_MARGINS, chosen=REFUND_MARGIN, **refund))
+                refund=dict(margins=REFUND_MARGINS, chosen=REFUND_MARGIN, **refund), check=check)
 
 
 # ---------------------------------------------------------------- tables
@@ -396,6 +433,8 @@ def label(name):
         return f"LoRA, exit {name}"
     if name.startswith("refund margin "):
         return f"LoRA, exit {MARGIN:g}, {name}"
+    if name == "refund check":
+        return f"LoRA, exit {MARGIN:g}, refund check"
     return f"bag of words, {name[10:]} ex."
 
 
@@ -502,7 +541,7 @@ def print_all(results):
 
 def print_margin(m):
     """The margins' rows: each margin on validation, margin 0 and the chosen one on the other splits;
-    the exit rule's, then the refund rule's (applied after the exit rule at its chosen margin)."""
+    the exit rule's, then the refund rule's and the refund check's (each after the exit rule at its margin)."""
     if not m:
         return
     titles = dict(val="validation", test="held-out", seen="seen phrasings", fresh="another draw of the held-out pool",
@@ -513,7 +552,17 @@ def print_margin(m):
             rows = {f"{name} {k}": r for k, r in res[split].items() if k in {f"{x:g}" for x in res["margins"]}}
             print_accuracy(rows, f"{m['model']} with {rule} margin (chosen: {res['chosen']:g} nats), {titles[split]}")
             print_gate({f"{name} {res['chosen']:g}": rows[f"{name} {res['chosen']:g}"]}, titles[split])
+    for split in (s for s in titles if s in m.get("check", {})):
+        r = m["check"][split]
+        print_accuracy({"refund check": r}, f"{m['model']} with the refund check after the exit margin, {titles[split]}")
+        print_gate({"refund check": r}, titles[split])
+        y = r["says_yes"]
+        print(f"  the checker on every request: yes on refunds {y['lowest_on_refunds']:+.2f} nats or more "
+              f"({y['refunds_said_no']} said no), on the others {y['highest_on_others']:+.2f} or less "
+              f"({y['others_said_yes']} said yes); refund answers it judged: {r['leads']}")
     print_errors({f"margin {m['chosen']:g}": m["test"][f"{m['chosen']:g}"]}, f"{m['model']}, held-out")
+    if "check" in m and "test" in m["check"]:
+        print_errors({"refund check": m["check"]["test"]}, f"{m['model']}, held-out")
 
 
 def main(argv=None):
@@ -531,9 +580,13 @@ def main(argv=None):
     training, minutes = {}, dict(load=(time.perf_counter() - t0) / 60)
     # --only margin needs the largest model alone, and leaves the other sizes' training stats as they are
     params = models(base, cfg, tok, args, training, [max(args.sizes)] if args.only == "margin" else args.sizes)
-    minutes["train"] = sum(t["train_minutes"] for t in training.values() if not t["cached"])
+    checker, check_training = None, None
+    if args.only in (None, "margin", "train"):             # the refund check's own adapter
+        adapters, check_training = checker_for(base, cfg, tok, args)
+        checker = lora.merge(base, adapters, args.check["alpha"])
+    minutes["train"] = sum(t["train_minutes"] for t in [*training.values(), check_training] if t and not t["cached"])
     if args.only == "train":
-        print(f"adapters for {args.sizes} examples ready ({minutes['train']:.1f} min)")
+        print(f"adapters for {args.sizes} examples and the refund check ready ({minutes['train']:.1f} min)")
         return
     rank = args.recipes[args.recipe]["rank"]
     if args.only != "margin":
@@ -554,9 +607,10 @@ def main(argv=None):
         results["constrained"] = part_constrained(params, cfg, tok, args, sets)
         minutes["constrained"] = (time.perf_counter() - t1) / 60
     if args.only in (None, "margin"):
-        print("the exit and refund margins")
+        print("the exit and refund margins, the refund check")
         t1 = time.perf_counter()
-        results["margin"] = part_margin(params, cfg, tok, args, sets)
+        results["margin"] = part_margin(params, checker, cfg, tok, args, sets)
+        results["margin"]["check"]["training"] = check_training
         minutes["margin"] = (time.perf_counter() - t1) / 60
     results["minutes"] = minutes          # of this run only: training is 0 when the adapters were cached
     results["minutes_this_run"] = (time.perf_counter() - t0) / 60

@@ -261,6 +261,14 @@ def test_07_tool_choice_quick(tmp_path):
         unasked = [row["safety"]["refund_unasked"]["k"] for row in rows]
         assert unasked == sorted(unasked, reverse=True)     # a larger margin only moves answers away from refund
         assert all(lead < max(rf["margins"]) for lead, _, _ in rf[split]["leads"])
+        c, before = m["check"][split], m[split][f"{m['chosen']:g}"]       # the refund check, after the exit rule
+        assert c["n"] == n and c["gate"]["refunds_executed"] == 0
+        assert len(c["leads"]) >= before["gate"]["refunds_held"]     # every refund answer judged
+        assert c["gate"]["refunds_held"] <= before["gate"]["refunds_held"]                # only refunds move
+        assert c["safety"]["refund_unasked"]["k"] <= before["safety"]["refund_unasked"]["k"]
+        assert c["safety"]["person_missed"]["k"] <= before["safety"]["person_missed"]["k"]
+        assert 0 <= c["says_yes"]["refunds_said_no"] + c["says_yes"]["others_said_yes"] <= n
+    assert m["check"]["training"]["examples"] == 20 and m["check"]["training"]["cached"] is False
     assert_figure(tmp_path, "07_tool_choice.py")
     if HAS_MATPLOTLIB:
         assert (tmp_path / "07_tool_choice_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

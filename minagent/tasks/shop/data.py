@@ -25,6 +25,7 @@ recipe on without looking at the test requests; like the test side it is written
     seen_test_set(n, seed)   fresh draws from that same pool: the "seen phrasings" test
     val_set(seed)            150 requests from the validation pool, planned like the test set
     test_set(seed)           150 requests from the test pool, 30 per tool; never changes
+    check_set(n, seed)       n requests from the training pool for refund_check's one question
 Each set has its own random stream, so seen_test_set(50, 0) is not train_set(50, 0)
 (a request without placeholders, like "Book me a flight to Paris.", recurs verbatim).
 
@@ -352,6 +353,25 @@ def val_set(seed=0):
 def test_set(seed=0):
     """150 requests, 30 per tool, from the test pool."""
     return _planned("test", random.Random(f"test {seed}"))
+
+
+def check_set(n, seed=0):
+    """n training-side requests for refund_check's checker, whose question is "is this a refund?": a third
+    refunds (a quarter of them with an injection around), a quarter injections alone, a sixth injections around
+    a request for another tool or a person, the rest plain requests for the other tools or a person."""
+    rng, others, out = random.Random(f"check {seed}"), ("order_status", "book_repair", "search_handbook"), []
+    for _ in range(n):
+        u = rng.random()
+        if u < 0.35:
+            out.append(_request("refund", "injection" if rng.random() < 0.25 else "normal", "fit", rng))
+        elif u < 0.6:
+            out.append(_request("ask_human", "injection", "fit", rng))      # alone 7 times in 10
+        elif u < 0.75:
+            out.append(_request(rng.choice(others), "injection", "fit", rng))
+        else:
+            tool = rng.choice(others + ("ask_human",))
+            out.append(_request(tool, "person" if tool == "ask_human" else "normal", "fit", rng))
+    return out
 
 
 def gold_json(req):

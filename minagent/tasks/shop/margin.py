@@ -64,16 +64,22 @@ def opening(tool):
     return f'{grammar.OPEN}{tool}",'
 
 
-def tool_scores(params, cfg, tok, prompt, bucket=64):
-    """A prompt (chat.Segment) -> {tool: log p of opening(tool) after it}, one forward pass of five rows."""
+def scores(params, cfg, tok, prompt, endings, bucket=64):
+    """A prompt (chat.Segment) -> {ending: log p of that text after it}, one forward pass of one row per ending."""
     head = chat.encode(tok, prompt)
-    rows = [head + tok.encode_ordinary(opening(t)) for t in gate.TOOLS]
+    rows = [head + tok.encode_ordinary(e) for e in endings]
     width = -(-max(map(len, rows)) // bucket) * bucket          # a few shapes, a few compilations
     tokens = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
         tokens[i, :len(r)] = r
     nll = np.asarray(_next_nll(params, jnp.asarray(tokens), cfg))
-    return {t: -float(nll[i, len(head) - 1:len(r) - 1].sum()) for i, (t, r) in enumerate(zip(gate.TOOLS, rows))}
+    return {e: -float(nll[i, len(head) - 1:len(r) - 1].sum()) for i, (e, r) in enumerate(zip(endings, rows))}
+
+
+def tool_scores(params, cfg, tok, prompt):
+    """A prompt (chat.Segment) -> {tool: log p of opening(tool) after it}, one forward pass of five rows."""
+    s = scores(params, cfg, tok, prompt, [opening(t) for t in gate.TOOLS])
+    return {t: s[opening(t)] for t in gate.TOOLS}
 
 
 def forced(params, cfg, tok, prompts, tools, end_id, **kw):
