@@ -16,11 +16,12 @@ recipe or data change.
 
     python -m minagent.weights fetch                         # once: the SmolLM2 GGUF file
     python experiments/07_tool_choice.py --choose D E F G    # four recipes on the validation split: ~55 min
-    python experiments/07_tool_choice.py                     # everything: ~95 min (~60 with cached adapters)
+    python experiments/07_tool_choice.py                     # everything: free ~26, constrained ~13, margin ~43 min,
+                                                             # and ~11 min for each adapter not cached (four)
     python experiments/07_tool_choice.py --only train        # the adapters alone, cached: ~11 min each
     python experiments/07_tool_choice.py --only free         # no constrained decoding, cached adapters
     python experiments/07_tool_choice.py --only constrained  # constrained decoding only, cached adapters
-    python experiments/07_tool_choice.py --only margin       # the margins and the refund check, LoRA 500: ~45 min
+    python experiments/07_tool_choice.py --only margin       # the margins and the refund check, LoRA 500: ~43 min
     python experiments/07_tool_choice.py --quick             # a tiny random model: 10-30 s
 Times on 2 CPU cores shared with other jobs; not run on a GPU. --retrain trains the adapters again.
 Writes experiments/results/07_tool_choice.json (--only replaces that part), 07_tool_choice.png (per tool)
@@ -82,7 +83,7 @@ REFUND_MARGINS = MARGINS
 REFUND_MARGIN = MARGIN
 # The refund check (refund_check.py), after the exit rule at MARGIN, in place of the refund margin: a second
 # adapter trained for its one question on data.check_set(CHECK_N), with recipe E's settings (fixed, not tuned;
-# 3 epochs of its short examples); a refund answer stands when the checker says yes (its lead over no above 0).
+# 3 epochs of its short examples); a refund answer stands unless the checker finds no more likely than yes.
 CHECK_N = 600
 CHECK = dict(steps=128, batch_size=1, seq_len=512, lr=2e-3, rank=8, alpha=16.0, shared_prefix=True)
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)     # --quick only
@@ -269,7 +270,8 @@ def checker_for(base, cfg, tok, args):
     """refund_check's checker: LoRA adapters trained on data.check_set(CHECK_N) with CHECK -> (adapters, stats)."""
     requests = data.check_set(args.check_n, seed=args.seed)
     asks = [q.tool == "refund" for q in requests]
-    return trained(base, cfg, tok, "07_check", [refund_check.example(q.text, a, tok, FMT) for q, a in zip(requests, asks)],
+    exs = [refund_check.example(q.text, a, tok, FMT) for q, a in zip(requests, asks)]
+    return trained(base, cfg, tok, "07_check", exs,
                    [refund_check.QUESTION] + [(q.text, a) for q, a in zip(requests, asks)], args.check, args,
                    dict(examples=len(requests), refunds=sum(asks)))
 
@@ -407,7 +409,8 @@ def part_margin(params, checker, cfg, tok, args, sets):
         others = [y for y, r in zip(yes, reqs) if r.tool != "refund"]
         check[split]["says_yes"] = dict(lowest_on_refunds=round(min(asked, default=0.0), 2),
                                         highest_on_others=round(max(others, default=0.0), 2),
-                                        refunds_said_no=sum(y < 0 for y in asked), others_said_yes=sum(y >= 0 for y in others))
+                                        refunds_said_no=sum(y < 0 for y in asked),
+                                        others_said_yes=sum(y >= 0 for y in others))
         check[split]["seconds"] = time.perf_counter() - t0
         for rule, res in (("exit", out[split]), ("refund", refund[split]), ("check", {"": check[split]})):
             for m, r in res.items():
@@ -554,7 +557,7 @@ def print_margin(m):
             print_gate({f"{name} {res['chosen']:g}": rows[f"{name} {res['chosen']:g}"]}, titles[split])
     for split in (s for s in titles if s in m.get("check", {})):
         r = m["check"][split]
-        print_accuracy({"refund check": r}, f"{m['model']} with the refund check after the exit margin, {titles[split]}")
+        print_accuracy({"refund check": r}, f"{m['model']}, exit margin then the refund check, {titles[split]}")
         print_gate({"refund check": r}, titles[split])
         y = r["says_yes"]
         print(f"  the checker on every request: yes on refunds {y['lowest_on_refunds']:+.2f} nats or more "

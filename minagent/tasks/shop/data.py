@@ -357,15 +357,16 @@ def test_set(seed=0):
 
 def check_set(n, seed=0):
     """n training-side requests for refund_check's checker, whose question is "is this a refund?": a third
-    refunds (a quarter of them with an injection around), a quarter injections alone, a sixth injections around
-    a request for another tool or a person, the rest plain requests for the other tools or a person."""
+    refunds (a quarter of them with an injection around), a quarter injections meant for a person (alone 7 in
+    10, else around a request for a person), a sixth injections around a request for another working tool,
+    the rest plain requests for the other tools or a person."""
     rng, others, out = random.Random(f"check {seed}"), ("order_status", "book_repair", "search_handbook"), []
     for _ in range(n):
         u = rng.random()
         if u < 0.35:
             out.append(_request("refund", "injection" if rng.random() < 0.25 else "normal", "fit", rng))
         elif u < 0.6:
-            out.append(_request("ask_human", "injection", "fit", rng))      # alone 7 times in 10
+            out.append(_request("ask_human", "injection", "fit", rng))
         elif u < 0.75:
             out.append(_request(rng.choice(others), "injection", "fit", rng))
         else:

@@ -10,11 +10,11 @@ question about the person's message:
     answer   "yes" or "no"
 
 "yes" exactly when the message's gold tool is refund, on training-side requests drawn for it
-(data.check_set: a third of them refunds, a quarter injections alone, more injections around other requests).
+(data.check_set: a third of them refunds, a sixth injections alone, more injections around other requests).
 The one task has its own examples, so the boundary it learns moves nothing else: the tool-choosing adapter
 is unchanged.
 
-The rule: an answer that names refund stands when the checker finds "yes" more likely than "no"; otherwise it
+The rule: an answer that names refund stands unless the checker finds "no" more likely than "yes"; then it
 is written again as ask_human (margin.forced) and a person decides. Like the margins, it only ever moves a
 refund answer, and only to ask_human: it can remove an unasked refund or a missed request for a person, never
 add one. What it can cost is a real refund sent to a person, which the approval gate would have held anyway.
