@@ -138,6 +138,7 @@ def test_a_mask_limits_one_sequence_and_sees_its_stretch():
     assert run_ids(alone, alone.add([4, 5], 6, seed=9)) == batch.seqs[b].tokens[2:]
 
 
+@pytest.mark.slow                   # a few seconds of compiling: the default suite stays under 2 minutes
 def test_cache_false_rereads_everything():
     """A resume-heavy schedule: the same tokens with and without the cache, positions counted exactly."""
     counts, texts = {}, {}

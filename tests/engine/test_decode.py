@@ -75,8 +75,8 @@ class Rows:
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads,tie,page_size", [
-    (4, 4, True, 1), (4, 2, False, 4), *[pytest.param(*p, marks=pytest.mark.slow) for p in
-                                         [(4, 1, True, 16), (2, 1, False, 4), (4, 2, True, 16)]]])
+    (4, 4, True, 1), *[pytest.param(*p, marks=pytest.mark.slow) for p in
+                       [(4, 2, False, 4), (4, 1, True, 16), (2, 1, False, 4), (4, 2, True, 16)]]])
 def test_extend_equals_forward(n_heads, n_kv_heads, tie, page_size):
     params, cfg = tiny(n_heads, n_kv_heads, tie)
     rng = np.random.RandomState(page_size)

@@ -154,6 +154,7 @@ def test_packed_trace_gets_the_loss_it_gets_alone(params):
                                np.asarray(nll(params, as_jnp(alone)))[0, :20], atol=1e-5)
 
 
+@pytest.mark.slow                   # a few seconds of compiling: the default suite stays under 2 minutes
 def test_a_shared_prefix_packs_once_a_row_and_changes_no_loss_or_gradient(params):
     """Traces that start with the same prompt: packed with prefix=, each row holds it once and more
     traces fit, yet every supervised token gets the same loss, and the gradient is the same sum."""
@@ -186,6 +187,7 @@ def test_tiny_model_overfits_one_trace(params):
     assert jax.tree.leaves(params)[0].shape   # the caller's params are still alive (not donated)
 
 
+@pytest.mark.slow                   # a few seconds of compiling: the default suite stays under 2 minutes
 def test_evaluate_counts_the_supervised_tokens():
     rng = np.random.default_rng(8)
     examples = [trace(rng, 20), trace(rng, 30)]
@@ -302,6 +304,7 @@ def test_lr_schedule_warmup_then_cosine():
         np.testing.assert_allclose(float(lr_at(step)), lr, rtol=1e-6, err_msg=f"step {step}")
 
 
+@pytest.mark.slow                   # a few seconds of compiling: the default suite stays under 2 minutes
 def test_optimizer_uses_schedule_and_spares_norms():
     tcfg = tr.TrainConfig(steps=100, warmup=10, lr=0.5, weight_decay=0.1)
     p = {"w": jnp.full((2, 2), 2.0), "attn_norm": jnp.full((2, 2), 2.0)}
