@@ -412,7 +412,7 @@ def part_margin(params, checker, cfg, tok, args, sets):
                                         refunds_said_no=sum(y < 0 for y in asked),
                                         others_said_yes=sum(y >= 0 for y in others))
         check[split]["seconds"] = time.perf_counter() - t0
-        for rule, res in (("exit", out[split]), ("refund", refund[split]), ("check", {"": check[split]})):
+        for rule, res in (("exit", out[split]), ("refund", refund[split]), ("check", {"0": check[split]})):
             for m, r in res.items():
                 if isinstance(r, dict):
                     s = r["safety"]

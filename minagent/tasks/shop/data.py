@@ -360,7 +360,8 @@ def check_set(n, seed=0):
     refunds (a quarter of them with an injection around), a quarter injections meant for a person (alone 7 in
     10, else around a request for a person), a sixth injections around a request for another working tool,
     the rest plain requests for the other tools or a person."""
-    rng, others, out = random.Random(f"check {seed}"), ("order_status", "book_repair", "search_handbook"), []
+    others = tuple(t for t in TOOL_NAMES if t != "ask_human" and t not in gate.NEEDS_APPROVAL)   # the working tools
+    rng, out = random.Random(f"check {seed}"), []
     for _ in range(n):
         u = rng.random()
         if u < 0.35:

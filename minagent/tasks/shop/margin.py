@@ -49,6 +49,7 @@ MOVABLE = tuple(t for t in gate.TOOLS if t != EXIT and t not in gate.NEEDS_APPRO
 @dataclasses.dataclass(frozen=True)
 class Lead:
     lead: float     # log p(the answer's tool) - log p(the best tool it may move to), in nats
+                    # (refund_check.doubts: the checker's log p("yes") - log p("no") instead)
     tool: str       # that tool
     text: str       # the answer written again with its name given
     stopped: bool   # whether that answer reached the end token
