@@ -3,7 +3,9 @@
 Decode: decode.decode_step on random SmolLM2-135M-shaped weights (the GGUF file is not needed), every
 slot active, each row holding `context` positions in its own pages of 16; batch 1, 32, 256; context
 128 and 2,048; bfloat16 and float32 (weights and cache); gather and Pallas attention; the layers as
-the Batch holds them (stacked, a scan, off CPU). A step's floor is the larger of its bytes over the
+the Batch holds them (stacked, a scan, off CPU), and for the two smaller batches at the shorter context
+the other way too (a list, one layer after another); each decode row also counts the kernels in its
+compiled step (fusions and custom calls, a loop body's once). A step's floor is the larger of its bytes over the
 memory bandwidth (the weights once, plus each row's keys and values) and its FLOPs over the matmul
 peak, both measured in the same run (a large copy; a large matmul in the step's dtype). Steps per
 call: 16 decode steps as 16 calls read back by the host, or as one call of devices.decode_steps.
@@ -78,14 +80,22 @@ def decode_row(cfg, params, B, context, attention, peak, bw, repeats):
         _, logits, state["cache"] = decode.decode_step(params, cfg, state["cache"], slots, attention=attention)
         logits.block_until_ready()
     seconds = timed(step, repeats)
+    hlo = decode.decode_step.lower(params, cfg, state["cache"], slots, attention=attention).compile().as_text()
     item = jnp.dtype(cfg.dtype).itemsize
     kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * item * B
     weight_bytes = model.n_params(params) * item
     flops = B * model.flops_per_token(cfg, context)
     floor = max((weight_bytes + kv_bytes) / bw, flops / peak)
     return dict(kind="decode", dtype=cfg.dtype, attention=attention, batch=B, context=context,
+                layers="list" if isinstance(params["layers"], list) else "stacked", kernels=kernels(hlo),
                 ms=1e3 * seconds, floor_ms=1e3 * floor, ratio=seconds / floor,
                 bound="memory" if (weight_bytes + kv_bytes) / bw >= flops / peak else "compute")
+
+
+def kernels(hlo):
+    """Device kernels in a compiled program's text: its fusions and custom calls (a library matmul,
+    a Pallas kernel), each counted once where it is written, so a loop body's once, not per pass."""
+    return sum(" fusion(" in line or " custom-call(" in line for line in hlo.splitlines())
 
 
 def steps_row(cfg, params, B, context, n, repeats):
@@ -133,9 +143,10 @@ def train_row(cfg, params, batch_size, seq_len, peak, repeats):
                 tokens_per_s=batch_size * seq_len / seconds, mfu=flops / seconds / peak)
 
 
-def layout(params):
-    """The layers as the Batch holds them: a list of per-layer arrays on CPU, stacked (a scan) elsewhere."""
-    return decode.unstack_layers(params) if jax.default_backend() == "cpu" else params
+def layout(params, other=False):
+    """The layers as the Batch holds them: a list of per-layer arrays on CPU, stacked (a scan) elsewhere;
+    other=True: the other way (the rows that compare the two)."""
+    return decode.unstack_layers(params) if (jax.default_backend() == "cpu") != other else params
 
 
 def main():
@@ -178,7 +189,12 @@ def main():
                            lambda: decode_row(cfg, layout(params), B, context, attention, peak, bw, repeats),
                            lambda r: (f"decode {dtype:8} {attention:6} B {B:3} context {context:5}: "
                                       f"{r['ms']:8.3f} ms, floor {r['floor_ms']:7.3f} ms ({r['bound']}), "
-                                      f"ratio {r['ratio']:6.2f}"))
+                                      f"ratio {r['ratio']:6.2f}, layers {r['layers']}, {r['kernels']} kernels"))
+        for B in (batches[0], batches[1]):          # the layers held the other way: a scan's cost per step
+            record(f"decode {dtype} gather B {B} context {contexts[0]} other layers",
+                   lambda: decode_row(cfg, layout(params, other=True), B, contexts[0], "gather", peak, bw, repeats),
+                   lambda r: (f"decode {dtype:8} gather B {B:3} context {contexts[0]:5}, layers {r['layers']}: "
+                              f"{r['ms']:8.3f} ms ({r['kernels']} kernels), ratio {r['ratio']:6.2f}"))
         record(f"train {dtype}", lambda: train_row(cfg, params, 4 if q else 8, 64 if q else 1024, peak, repeats),
                lambda r: (f"train  {dtype:8} {r['batch']} x {r['context']}: {r['ms']:8.1f} ms, "
                           f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.0f} %"))

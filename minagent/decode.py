@@ -94,7 +94,7 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
         v_LxKxPxZxH = v_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
         if attention == "pallas":
             from minagent import devices    # noqa: PLC0415  (devices.py builds on this module)
-            attn_BxTxNH = devices.paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH[l], v_LxKxPxZxH[l],
+            attn_BxTxNH = devices.paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
                                                   page_table_BxW, length_B)[:, None]
         else:
             keys_BxSxKxH = gather_pages(k_LxKxPxZxH[l], page_table_BxW)

@@ -16,25 +16,37 @@ import jax.numpy as jnp
 from minagent import decode
 
 
-def paged_attention(q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, length_B):
-    """One query per row over the first length_B[b] positions of row b's pages -> [B, N, H].
+def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length_B):
+    """Layer l's attention: one query per row over the first length_B[b] positions of row b's pages
+    -> [B, N, H].
 
     The same attention as the gather path, computed by JAX's Pallas paged-attention kernel
     (jax.experimental.pallas.ops.gpu), which loads only the pages a row holds, block by block,
     with an online softmax. On a GPU it compiles through Triton; elsewhere it runs in Pallas's
     interpret mode (slow: for checking it against the gather path). Unlike the gather path it
     needs finite cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V.
+
+    The kernel is handed the whole cache of every layer, not layer l's part of it: a kernel call
+    takes its arguments as whole buffers, so k[l] would be copied out first, every layer, as many
+    bytes as the kernel then reads. Read as one kv head of L * K * P pages (a reshape, no copy),
+    layer l's head k's page p is page (l * K + k) * P + p, and each (row, kv head) pair becomes
+    a row of its own with the G = N / K query heads that share that kv head.
     """
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
-    H = q_BxNxH.shape[-1]
+    L, K, P, Z, H = k_LxKxPxZxH.shape
+    B, N, _ = q_BxNxH.shape
     W = page_table_BxW.shape[1]
     splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
     block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
-    q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_KxPxZxH.dtype)
-    out_BxNxH = pallas_ops.paged_attention(
-        q_BxNxH, k_KxPxZxH, v_KxPxZxH, page_table_BxW, jnp.maximum(length_B, 1).astype(jnp.int32),
+    q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_LxKxPxZxH.dtype)
+    first_K = (l * K + jnp.arange(K)) * P                                # each kv head's first page, layer l
+    table_BKxW = (first_K[None, :, None] + page_table_BxW[:, None, :]).reshape(B * K, W)
+    out_BKxGxH = pallas_ops.paged_attention(
+        q_BxNxH.reshape(B * K, N // K, H), k_LxKxPxZxH.reshape(1, L * K * P, Z, H),
+        v_LxKxPxZxH.reshape(1, L * K * P, Z, H), table_BKxW,
+        jnp.repeat(jnp.maximum(length_B, 1), K).astype(jnp.int32),
         block_h=16, pages_per_compute_block=block, k_splits=splits, interpret=jax.default_backend() != "gpu")
-    return out_BxNxH
+    return out_BKxGxH.reshape(B, N, H)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),

@@ -332,15 +332,19 @@ def test_06_context_quick(tmp_path):
 @pytest.mark.slow
 def test_bench_gpu_quick(tmp_path):
     """benchmarks/bench_gpu.py runs (a small model; on CPU the Pallas rows run in interpret mode):
-    every decode shape with both attentions and both dtypes, times above zero, floors below them."""
+    every decode shape with both attentions and both dtypes, and the two smaller batches with the layers
+    held the other way; times above zero, floors below them, kernels counted."""
     got = run_quick("bench_gpu.py", tmp_path, folder="benchmarks")
     assert [r["error"] for r in got["rows"] if "error" in r] == []      # a failing row is recorded, not raised
     decode = [r for r in got["rows"] if r["kind"] == "decode"]
-    assert len(decode) == 2 * 2 * 2 * 2 and got["quick"] and got["bandwidth"] > 0
+    assert len(decode) == 2 * 2 * 2 * 2 + 2 * 2 and got["quick"] and got["bandwidth"] > 0
     assert {(r["dtype"], r["attention"]) for r in decode} == {(d, a) for d in ("float32", "bfloat16")
                                                               for a in ("gather", "pallas")}
     assert all(r["ms"] > 0 and 0 < r["floor_ms"] and r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"])
-               for r in decode)
+               and r["kernels"] > 0 for r in decode)
+    other = [r for r in decode if r["layers"] == "stacked"]            # on CPU the Batch holds a list
+    assert [(r["dtype"], r["attention"], r["batch"], r["context"]) for r in other] == [
+        (d, "gather", b, 32) for d in ("bfloat16", "float32") for b in (1, 4)]
     steps = [r for r in got["rows"] if r["kind"] == "steps"]
     assert len(steps) == 4 and all(r["ms_one_a_call"] > 0 and r["ms_n_a_call"] > 0 for r in steps)
     train_rows = [r for r in got["rows"] if r["kind"] == "train"]
