@@ -14,6 +14,9 @@ SmolLM2-135M-Instruct, the same chat prompt in every row, `--new` greedy tokens.
     minagent bf16, bf16 cache   the same with the cache in bfloat16
     minagent int8               the float32 weights in int8 (minagent/int8.py), activations split in two int8 parts
     transformers f32 / bf16     the same weights (its GGUF loader dequantizes too), float32 / bfloat16
+    transformers int8           its float32 model through torch's dynamic quantization (every nn.Linear,
+                                the output head included: int8 weights, one scale a matrix; activations
+                                rounded to int8 at each product): the int8 engine a torch user has at hand
     llama.cpp                   batch 1 only: llama-cpp-python on the GGUF file as it is (quantized weights)
 
 "minagent bf16" in the ratios is the faster of its two cache dtypes (by the median decode step).
@@ -68,7 +71,8 @@ REFERENCE = "minagent f32"       # the engine whose greedy tokens the others are
 BATCH_1_ONLY = ("llama.cpp",)
 RATIOS = [("minagent f32", "transformers f32"), ("minagent bf16", "transformers bf16"),
           ("minagent bf16", "minagent f32"), ("minagent f32", "llama.cpp"), ("minagent bf16", "llama.cpp"),
-          ("minagent int8", "minagent f32"), ("minagent int8", "transformers f32"), ("minagent int8", "llama.cpp")]
+          ("minagent int8", "minagent f32"), ("minagent int8", "transformers f32"), ("minagent int8", "llama.cpp"),
+          ("minagent int8", "transformers int8")]
 
 
 @dataclasses.dataclass
@@ -113,6 +117,17 @@ def hf_run(hf_model, prompt, B, new):
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                 min_new_tokens=new, do_sample=False, pad_token_id=2, logits_processor=[stamp])
     return Run(time.perf_counter() - t0, [t - t0 for t in stamps], out[0, len(prompt):].tolist())
+
+
+def torch_int8(hf_model):
+    """hf_model with every nn.Linear in int8 (torch's dynamic quantization); None (the reason printed)
+    where this torch has none (torch.ao.quantization is deprecated: newer releases may drop it)."""
+    import torch
+    try:
+        return torch.ao.quantization.quantize_dynamic(hf_model, {torch.nn.Linear}, dtype=torch.qint8)
+    except (AttributeError, ImportError, RuntimeError) as e:
+        print(f"transformers int8 skipped: {type(e).__name__}: {e}")
+        return None
 
 
 def llama_cpp_model(path, threads, n_ctx):
@@ -348,6 +363,9 @@ def main():
         hf_f32, hf_bf16 = hf_model(torch.float32), hf_model(torch.bfloat16)
         engines["transformers f32"] = lambda B: hf_run(hf_f32, prompt, B, args.new)
         engines["transformers bf16"] = lambda B: hf_run(hf_bf16, prompt, B, args.new)
+        hf_int8 = torch_int8(hf_model(torch.float32))
+        if hf_int8 is not None:
+            engines["transformers int8"] = lambda B: hf_run(hf_int8, prompt, B, args.new)
         versions["torch"] = torch.__version__
         threads = 1 if args.one_core else len(os.sched_getaffinity(0))
         llm = llama_cpp_model(path, threads, n_ctx=len(prompt) + args.new + 16)
