@@ -1,10 +1,8 @@
-"""Beyond the plain decode step: attention that reads only each row's pages (Pallas), several
-steps a call, and the steps over a mesh of devices. decode.py is the reference for all three.
-
-On a mesh (one axis, "data", of D devices) device d runs its block of rows against its block
-of the page pool, alone: no row reads another device's pages, so jax.shard_map runs the
-one-device step with no communication. Page ids are global (device d's: d * P to d * P + P - 1,
-the first its null page) and each device reads them as its own, id % P (docs/DESIGN.md).
+"""Beyond the plain decode step (decode.py, the reference for all three): attention that reads only each
+row's pages (Pallas), several steps a call, and the steps over a mesh of devices. On a mesh (one axis,
+"data") device d runs its block of rows against its block of the page pool alone: no row reads another
+device's pages, so jax.shard_map runs the one-device step with no communication. Page ids are global
+(device d's: d * P to d * P + P - 1, the first its null page), each device reading them as id % P.
 """
 
 import dataclasses
@@ -17,25 +15,16 @@ from minagent import decode
 
 
 def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length_B):
-    """Layer l's attention: one query per row over the first length_B[b] positions of row b's pages
-    -> [B, N, H].
+    """Layer l's attention, one query per row over row b's first length_B[b] positions -> [B, N, H].
 
-    The same attention as the gather path, computed by JAX's Pallas paged-attention kernel
-    (jax.experimental.pallas.ops.gpu), which loads only the pages a row holds, block by block,
-    with an online softmax. On a GPU it compiles through Triton; elsewhere it runs in Pallas's
-    interpret mode (slow: for checking it against the gather path). Unlike the gather path it
-    needs finite cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V.
-
-    The kernel is handed the whole cache of every layer, not layer l's part of it: a kernel call
-    takes its arguments as whole buffers, so k[l] would be copied out first, every layer, as many
-    bytes as the kernel then reads. Read as one kv head of L * K * P pages (a reshape, no copy),
-    layer l's head k's page p is page (l * K + k) * P + p, and each (row, kv head) pair becomes
-    a row of its own with the G = N / K query heads that share that kv head.
+    The gather path's attention by JAX's Pallas paged-attention kernel, which loads only a row's pages
+    (online softmax): Triton on a GPU, interpret mode elsewhere (slow: for checking). It needs finite
+    cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V. A kernel takes whole
+    buffers, so k[l] would be copied out each layer; instead the cache is one kv head of L * K * P pages
+    (a reshape), row b's head k a kernel row on pages (l * K + k) * P + its table (docs/DESIGN.md).
     """
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
-    L, K, P, Z, H = k_LxKxPxZxH.shape
-    B, N, _ = q_BxNxH.shape
-    W = page_table_BxW.shape[1]
+    (L, K, P, Z, H), (B, N, _), W = k_LxKxPxZxH.shape, q_BxNxH.shape, page_table_BxW.shape[1]
     splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
     block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
     q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_LxKxPxZxH.dtype)
@@ -43,8 +32,7 @@ def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length
     table_BKxW = (first_K[None, :, None] + page_table_BxW[:, None, :]).reshape(B * K, W)
     out_BKxGxH = pallas_ops.paged_attention(
         q_BxNxH.reshape(B * K, N // K, H), k_LxKxPxZxH.reshape(1, L * K * P, Z, H),
-        v_LxKxPxZxH.reshape(1, L * K * P, Z, H), table_BKxW,
-        jnp.repeat(jnp.maximum(length_B, 1), K).astype(jnp.int32),
+        v_LxKxPxZxH.reshape(1, L * K * P, Z, H), table_BKxW, jnp.repeat(jnp.maximum(length_B, 1), K).astype(jnp.int32),
         block_h=16, pages_per_compute_block=block, k_splits=splits, interpret=jax.default_backend() != "gpu")
     return out_BKxGxH.reshape(B, N, H)
 
