@@ -4,9 +4,9 @@ Decode: decode.decode_step on random SmolLM2-135M-shaped weights (the GGUF file 
 slot active, each row holding `context` positions in its own pages of 16; batch 1, 32, 256; context
 128 and 2,048; bfloat16 and float32 (weights and cache); gather and Pallas attention; the layers as
 the Batch holds them (stacked, a scan, off CPU), and for the two smaller batches at the shorter context
-the other way too (a list, one layer after another); each decode row also counts the kernels in its
-compiled step (fusions and custom calls, a loop body's once). A step's floor is the larger of its bytes over the
-memory bandwidth (the weights once, plus each row's keys and values) and its FLOPs over the matmul
+the other way too (on a GPU a list, one layer after another); each decode row also counts the kernels in its
+compiled step (fusions and custom calls, a loop body's once). A step's floor is the larger of its bytes
+over the memory bandwidth (the weights once, plus each row's keys and values) and its FLOPs over the matmul
 peak, both measured in the same run (a large copy; a large matmul in the step's dtype). Steps per
 call: 16 decode steps as 16 calls read back by the host, or as one call of devices.decode_steps.
 Training: train.make_train_step, tokens/s and MFU against the peak. Decode rows print time, floor
