@@ -1,81 +1,94 @@
-"""08: a tool the model has only read about. Does a pretrained model call `mul` when it is described?
+"""08: a model that reads its tools. Does it call a tool it was never trained on, from its description alone?
 
-The small model of experiments/04 never calls `mul` (0 of 500): it was trained from scratch on the
-missions and knows no English, so a description means nothing to it. SmolLM2-135M-Instruct knows
-English. Here it learns, with LoRA, to call the four tools of the calculator missions (add, reverse,
-sort, lookup) from traces whose system text describes those four. Then 200 multiplications of two
-2-digit numbers, a question no training trace asks, with two system texts:
-  described       the four tools and "mul A B multiplies A by B."
-  not described   the four tools only (the control: the same model, the same questions)
-For each: how often it calls mul, calls it well-formed (`mul A B` with the question's numbers), and
-answers right; which tool it reaches for first; the budget it spends.
+First run (commit 6a342d0, docs/DESIGN.md): SmolLM2 + LoRA trained on traces that always listed the
+same four tools called `add 84 45` for "Multiply 84 by 45." 200 of 200 times, `mul` described or not.
+One fixed list teaches "arithmetic means add", not "read the list". Here the training traces vary
+their tool lists (minagent/tasks/toolpool.py): each episode lists 2 to 6 of about thirty tools in
+random order, half of them under made-up names, so that only the description tells which call
+fits; a fifth of the episodes list no tool that fits, and answer "I have no tool for that.".
+`mul` and nine more tools (HELD_OUT: arithmetic, strings, counting, lists, a lookup, a
+conversion, dates) never appear in a training trace, under any name. Then, for each held-out tool:
+  described       it is listed among 1 to 5 trained tools: called right (name and arguments)? answered right?
+  not described   only the others are listed: does the model still call it (it should not)?
+and in every test set, the episodes that call a tool their system text does not list. Also the
+trained tools under made-up names no training episode used, and the four-digit additions of
+experiment 03 in held-out phrasings (with `add` listed among others), so that nothing is lost.
 
-    python -m minagent.weights fetch              # once: the SmolLM2 GGUF file
-    python experiments/08_unseen_tool.py          # 76 min, 64 of them training (~12 with cached adapters)
-    python experiments/08_unseen_tool.py --quick  # a tiny random model, few questions: a smoke test
-Times on 2 CPU cores shared with other jobs; not run on a GPU. Writes experiments/results/08_unseen_tool.json;
-the adapters: results/08_lora-*.ckpt (git-ignored), trained again when the recipe changes.
+    python -m minagent.weights fetch                   # once: the SmolLM2 GGUF file
+    python experiments/08_unseen_tool.py               # trains the adapters once (cached), then evaluates
+    python experiments/08_unseen_tool.py --eval-tools my_tools.py    # tools defined outside the repository
+    python experiments/08_unseen_tool.py --quick       # a tiny random model, few questions: a smoke test
+
+--eval-tools FILE: a Python file that defines
+    TOOLS                  a list of minagent.tools.Tool records (name, args, description, function)
+    questions(n, seed)     -> n tuples (tool name, question, gold call's argument text)
+Each question is asked with its tool listed among trained tools, and with it left out; the
+adapters are loaded from the cache (trained first if absent) and the same table is printed.
+Writes experiments/results/08_unseen_tool.json (or --out). Times in experiments/LOG.md.
 """
 
 import argparse
 import collections
 import dataclasses
+import importlib.util
 import json
+import random
 import sys
 import time
 
 import jax
-import numpy as np
 
 import common
-from minagent import chat, lora, model, train, weights
+from minagent import agent, chat, lora, model, tools, train, weights
 from minagent import tokenizer as tk
+from minagent.tasks import toolpool
 from minagent.tasks.calculator import demo, missions
 from minagent.tasks.show import show
 
-FOUR = ("You can call these tools:\n"
-        "add A B adds two numbers.\n"
-        "reverse WORD spells a word backwards.\n"
-        "sort N1 N2 ... puts numbers in increasing order.\n"
-        "lookup NAME age or lookup NAME city reads a person's age or city.")
-DESCRIBED = FOUR + "\nmul A B multiplies A by B."
-SYSTEMS = {"described": DESCRIBED, "not described": FOUR}
-FAMILIES = ("add",) * 10 + tuple(f for f in demo.FAMILIES if f != "add")      # as experiments/03's SmolLM2
+CALC_FAMILIES = ("add",) * 4 + tuple(f for f in demo.FAMILIES if f != "add")
 TINY = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)        # --quick only
-MAX_LEN = 1024      # room for the call budget's longest episode: see experiments/03
+MAX_LEN = 512       # a pool episode is under 200 tokens; the calculator's chains under 400
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n", type=int, default=200, help="mul questions per system text")
-    p.add_argument("--check", type=int, default=50, help="additions in held-out phrasings: did it learn the tools?")
-    p.add_argument("--missions", type=int, default=800, help="training missions")
-    p.add_argument("--steps", type=int, default=100, help="LoRA steps")
+    p.add_argument("--n-mul", type=int, default=200, help="mul questions per system text")
+    p.add_argument("--n-held", type=int, default=40, help="questions per other held-out tool and system text")
+    p.add_argument("--n-renamed", type=int, default=8, help="questions per trained tool under a new name")
+    p.add_argument("--check", type=int, default=100, help="additions in held-out phrasings")
+    p.add_argument("--episodes", type=int, default=1400, help="training episodes of the pool")
+    p.add_argument("--calculator", type=int, default=400, help="training missions of the calculator")
+    p.add_argument("--steps", type=int, default=240, help="LoRA steps")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=192, help="tokens per row: a mission with the system text")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
-    p.add_argument("--slots", type=int, default=32, help="episodes decoded together")
-    p.add_argument("--examples", type=int, default=2, help="transcripts kept per system text")
+    p.add_argument("--slots", type=int, default=64, help="episodes decoded together")
+    p.add_argument("--examples", type=int, default=1, help="transcripts kept per test set")
+    p.add_argument("--eval-tools", default=None, help="a Python file defining TOOLS and questions(n, seed)")
+    p.add_argument("--n-eval", type=int, default=40, help="questions of --eval-tools, each way")
+    p.add_argument("--train-only", action="store_true", help="train (or load) the adapters, evaluate nothing")
     p.add_argument("--retrain", action="store_true", help="train the adapters again, even if cached")
     p.add_argument("--quick", action="store_true", help="a tiny random model, few questions: a smoke test")
     p.add_argument("--out", default=None, help="the JSON file (default experiments/results/08_unseen_tool.json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.check, args.missions, args.steps, args.slots, args.examples = 6, 4, 200, 3, 8, 1
+        args.n_mul, args.n_held, args.n_renamed, args.check, args.n_eval = 4, 2, 1, 4, 2
+        args.episodes, args.calculator, args.steps, args.slots, args.seq_len = 60, 20, 2, 16, 640
     return args
 
 
 def load(args):
     """-> (params, cfg, tok, fmt, new_rows): SmolLM2 with the call tokens added (as experiments/03),
-    or for --quick a tiny random model with a BPE trained on the missions."""
-    if args.quick:
-        tok = demo.mission_tokenizer(missions.generate(200, seed=args.seed + 1, families=FAMILIES, system=DESCRIBED))
-        cfg = model.Config(vocab_size=tok.n_vocab, **TINY)
-        return model.init(jax.random.PRNGKey(args.seed), cfg), cfg, tok, chat.MINAGENT, 0
+    or for --quick a tiny random model with a BPE trained on a few episodes."""
     fmt = chat.CHATML
+    if args.quick:
+        text = "\n".join(chat.text(e.mission.trace) for e in toolpool.training_set(200, args.seed, fmt))
+        tok = tk.train(text, vocab_size=400, pattern=tk.SMOLLM_PATTERN, specials=fmt.specials)
+        cfg = model.Config(vocab_size=tok.n_vocab, **TINY)
+        return model.init(jax.random.PRNGKey(args.seed), cfg), cfg, tok, fmt, 0
     base, cfg, tok = weights.load_smollm2()
     tok = tk.add_special_tokens(tok, fmt.specials)                      # <|call|>, <|result|>
     new_rows = tok.n_vocab - cfg.vocab_size
@@ -83,18 +96,41 @@ def load(args):
     return base, model.with_vocab(cfg, base), tok, fmt, new_rows
 
 
+def calculator_missions(n, seed, fmt, split="train", ms=None):
+    """The calculator's missions, each with its four tools listed among 0 to 2 trained others, shuffled:
+    (missions, the Tool lists). Their tools keep their names (lookup reads this episode's table)."""
+    ms = ms if ms is not None else missions.generate(n, seed=seed + 1, split=split, families=CALC_FAMILIES, fmt=fmt)
+    out, lists = [], []
+    for i, m in enumerate(ms):
+        rng = random.Random(f"08/calculator/{split}/{seed}/{i}")
+        four = list(tools.calculator_tools(m.seed)[:4])
+        others = [pt.tool for pt in toolpool.TRAIN if pt.tool.name not in {t.name for t in four}]
+        listed = four + rng.sample(others, rng.randint(0, 2))
+        rng.shuffle(listed)
+        out.append(dataclasses.replace(m, trace=(chat.prompt(fmt, m.question, tools.describe(listed)),) + m.trace[1:]))
+        lists.append(tuple(listed))
+    return out, lists
+
+
+def training_examples(tok, fmt, args):
+    pool = [e.mission for e in toolpool.training_set(args.episodes, args.seed, fmt)]
+    calc, _ = calculator_missions(args.calculator, args.seed, fmt)
+    exs = demo.examples(pool + calc, tok)
+    random.Random(args.seed).shuffle(exs)
+    return exs
+
+
 def adapters_for(base, cfg, tok, fmt, new_rows, args):
-    """LoRA on args.missions missions whose system text is FOUR -> (adapters, stats). Cached by recipe."""
-    ms = missions.generate(args.missions, seed=args.seed + 1, split="train", families=FAMILIES, fmt=fmt, system=FOUR)
-    exs = demo.examples(ms, tok)
+    """LoRA on the pool's episodes and the calculator's missions -> (adapters, stats). Cached by recipe."""
+    exs = training_examples(tok, fmt, args)
     tcfg = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                             warmup=min(10, args.steps), weight_decay=0.0, seed=args.seed, log_every=5)
+                             warmup=min(20, args.steps), weight_decay=0.0, seed=args.seed, log_every=10)
     like = lora.init(jax.random.PRNGKey(args.seed), base, args.rank, new_rows=new_rows)
     longest = max(len(t) for t, _ in exs)
 
     def train_fn(path):
-        print(f"LoRA on {len(exs)} missions (longest {longest} tokens): {tcfg.steps} steps of "
-              f"{tcfg.batch_size} x {tcfg.seq_len} tokens")
+        print(f"LoRA on {len(exs)} traces (longest {longest} tokens): {tcfg.steps} steps of "
+              f"{tcfg.batch_size} x {tcfg.seq_len} tokens", flush=True)
         (adapters, history), seconds = common.timed(lora.train_lora, base, cfg, exs, tcfg, rank=args.rank,
                                                     alpha=args.alpha, new_rows=new_rows, seed=args.seed, lora=like,
                                                     progress=not args.quick)
@@ -103,42 +139,97 @@ def adapters_for(base, cfg, tok, fmt, new_rows, args):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    recipe = dict(missions=args.missions, system=FOUR, rank=args.rank, alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
-    c = common.cached("08_lora", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
-    return c["params"], dict(c["extra"], missions=len(exs), longest_tokens=longest, cached=c["cached"],
+    recipe = dict(data="toolpool-1", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
+                  alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
+    c = common.cached("08_read_tools", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
+    return c["params"], dict(c["extra"], traces=len(exs), longest_tokens=longest, cached=c["cached"],
                              tcfg=dataclasses.asdict(tcfg), checkpoint=common.in_repo(c["path"]) if c["path"] else None)
 
 
-def score(records, ms, tok, n_examples):
-    """What the model did with each mul question."""
+def run(params, cfg, tok, fmt, episodes, args):
+    """Each episode's prompt through the agent loop, with a toolbox that serves the tools it lists."""
+    batch = agent.new_batch(params, cfg, tok, fmt, slots=args.slots, max_len=MAX_LEN)
+    return agent.run(batch, tok, fmt, [e.mission.trace[0] for e in episodes], [e.toolbox() for e in episodes])
+
+
+def score(records, episodes, tok, n_examples=0):
+    """What the model did: right answers, the gold call written, the target called, unlisted tools called."""
+    n = len(episodes)
     names = [[c.split()[0] if c.split() else "" for c, _ in r.calls] for r in records]
-    a_b = [tuple(int(x) for x in m.calls[0].split()[1:]) for m in ms]
-    n = len(ms)
+    gold = [e.mission.calls[-1] if e.mission.calls else None for e in episodes]
     return dict(
-        right=common.count(sum(r.answer == m.answer for r, m in zip(records, ms)), n),
-        called=common.count(sum(bool(r.calls) for r in records), n),
-        called_mul=common.count(sum("mul" in ns for ns in names), n),
-        mul_well_formed=common.count(sum(m.calls[0] in [c.strip() for c, _ in r.calls]
-                                         for r, m in zip(records, ms)), n),
-        answered_sum=common.count(sum(r.answer == str(a + b) for r, (a, b) in zip(records, a_b)), n),
-        first_tool=dict(collections.Counter(ns[0] if ns else "(no call)" for ns in names).most_common()),
-        calls_per_episode=float(np.mean([len(r.calls) for r in records])),
+        right=common.count(sum(r.answer == e.mission.answer for r, e in zip(records, episodes)), n),
+        called_right=common.count(sum(g is not None and g in [c.strip() for c, _ in r.calls]
+                                      for r, g in zip(records, gold)), n),
+        called_target=common.count(sum(e.target in ns for ns, e in zip(names, episodes)), n),
+        called_any=common.count(sum(bool(ns) for ns in names), n),
+        unlisted=common.count(sum(any(x not in e.listed for x in ns) for ns, e in zip(names, episodes)), n),
+        first_tool=dict(collections.Counter(
+            (ns[0] if ns[0] in e.listed else "(unlisted)") if ns else "(no call)"
+            for ns, e in zip(names, episodes)).most_common(4)),
         statuses=dict(collections.Counter(r.status for r in records)),
         examples=[show(r.tokens, r.authors, tok, color=False) for r in records[:n_examples]])
 
 
-def run(params, cfg, tok, fmt, ms, args):
-    return demo.run_missions(params, cfg, tok, ms, fmt=fmt, slots=args.slots, max_len=MAX_LEN)
+def evaluate_tools(params, cfg, tok, fmt, args, targets, n, label):
+    """For each (name, Tool or PoolTool, draw): described and not described -> {name: {...}}."""
+    out = {}
+    for name, target, draw in targets:
+        row = {}
+        for described in (True, False):
+            eps = toolpool.test_set(target, n, args.seed, fmt, described=described, draw=draw)
+            row["described" if described else "not described"] = score(run(params, cfg, tok, fmt, eps, args),
+                                                                        eps, tok, args.examples)
+        out[name] = row
+        d, nd = row["described"], row["not described"]
+        print(f"  {label} {name:14} described: {d['called_right']['k']:>3}/{n} called right, "
+              f"{d['right']['k']:>3} right | not described: {nd['called_target']['k']:>3} call it | "
+              f"unlisted {d['unlisted']['k'] + nd['unlisted']['k']}", flush=True)
+    return out
 
 
-def small_model_row():
-    """experiments/04's small model on its own mul questions, if its results are here."""
-    path = common.RESULTS / "04_recovery.json"
-    if not path.exists():
-        return None
-    mul = json.loads(path.read_text())["mul"]
-    return {"described": {k: mul[k] for k in ("right", "called", "called_mul", "mul_correct")},
-            "not described": {k: mul["without_description"][k] for k in ("right", "called", "called_mul")}}
+def renamed_trained(params, cfg, tok, fmt, args):
+    """Every trained tool under a made-up name no training episode used (NAMES["test"])."""
+    eps = [e for pt in toolpool.TRAIN
+           for e in toolpool.test_set(pt, args.n_renamed, args.seed, fmt, rename_target=True)]
+    return score(run(params, cfg, tok, fmt, eps, args), eps, tok, args.examples)
+
+
+def additions_check(params, cfg, tok, fmt, args):
+    """Experiment 03's four-digit additions in held-out phrasings, `add` listed among trained tools."""
+    ms, lists = calculator_missions(0, args.seed, fmt, "test",
+                                    ms=missions.additions(args.check, seed=args.seed + 2, fmt=fmt, split="test"))
+    eps = [toolpool.Episode(m, lst, "add") for m, lst in zip(ms, lists)]
+    return score(run(params, cfg, tok, fmt, eps, args), eps, tok, args.examples)
+
+
+def load_eval_tools(path):
+    """FILE.py -> [(name, Tool, draw)] with draw(rng) -> (question, args) cycling through its questions."""
+    spec = importlib.util.spec_from_file_location("eval_tools", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    by_name = {t.name: t for t in mod.TOOLS}
+    out = []
+    for name, t in by_name.items():
+        qs = [(q, a) for tool_name, q, a in mod.questions(200, 0) if tool_name == name]
+        if not qs:
+            raise ValueError(f"{path}: questions() asks nothing of tool {name}")
+        out.append((name, t, lambda rng, qs=qs: rng.choice(qs)))
+    return out
+
+
+def held_out_targets():
+    return [(pt.tool.name, pt, None) for pt in toolpool.HELD_OUT]
+
+
+def totals(res):
+    """Unlisted calls over every test set, and the held-out tools' (not mul) called-right rate."""
+    sets = [s for rows in (res.get("held_out", {}), res.get("eval_tools", {})) for row in rows.values()
+            for s in row.values()] + [res[k] for k in ("renamed", "check") if k in res]
+    k, n = sum(s["unlisted"]["k"] for s in sets), sum(s["unlisted"]["n"] for s in sets)
+    held = [row["described"] for name, row in res.get("held_out", {}).items() if name != "mul"]
+    hk, hn = sum(s["called_right"]["k"] for s in held), sum(s["called_right"]["n"] for s in held)
+    return dict(unlisted=common.count(k, n), held_out_called_right=common.count(hk, hn))
 
 
 def pct(c):
@@ -146,45 +237,52 @@ def pct(c):
 
 
 def print_table(res):
-    print(f"\n08: mul, described only in the system text ({res['n']} questions per system text)")
-    print(f"  {'':34} {'right':>16} {'called a tool':>16} {'called mul':>16} {'mul A B right':>16}")
-    for system in SYSTEMS:
-        r = res["smollm2"][system]
-        print(f"  SmolLM2 + LoRA, {system:18} {pct(r['right'])} {pct(r['called'])} {pct(r['called_mul'])} "
-              f"{pct(r['mul_well_formed'])}   first tool {r['first_tool']}")
-    small = res.get("small_model")
-    if small:
-        for system, r in small.items():
-            print(f"  small model (04), {system:16} {pct(r['right'])} {pct(r['called'])} {pct(r['called_mul'])} "
-                  f"{pct(r.get('mul_correct'))}")
-    c = res["check"]
-    print(f"  the four tools learned? additions in held-out phrasings: {c['right']['k']} / {c['right']['n']} right")
+    print(f"\n08: tools the model has only read about (SmolLM2 + LoRA{' tiny, --quick' if res['quick'] else ''})")
+    print(f"  {'':16} {'described: called right':>24} {'right':>16} {'not described: calls it':>24} "
+          f"{'unlisted calls':>16}")
+    for group in ("held_out", "eval_tools"):
+        for name, row in res.get(group, {}).items():
+            d, nd = row["described"], row["not described"]
+            un = common.count(d["unlisted"]["k"] + nd["unlisted"]["k"], d["unlisted"]["n"] + nd["unlisted"]["n"])
+            print(f"  {name:16} {pct(d['called_right']):>24} {pct(d['right'])} {pct(nd['called_target']):>24} "
+                  f"{pct(un)}")
+    for key, label in (("renamed", "trained tools, new names"), ("check", "additions (03)")):
+        if key in res:
+            r = res[key]
+            print(f"  {label:26} called right {pct(r['called_right'])}, right {pct(r['right'])}, "
+                  f"unlisted {pct(r['unlisted'])}")
+    t = res["totals"]
+    print(f"  held-out tools but mul, called right when described: {pct(t['held_out_called_right'])}; "
+          f"episodes calling an unlisted tool, every test set: {pct(t['unlisted'])}")
 
 
 def main(argv=None):
     args = parse_args(argv)
     if not args.quick and not weights.smollm2_path().exists():
         sys.exit(f"{weights.smollm2_path()} not found: `python -m minagent.weights fetch`")
-    out = common.out_path("08_unseen_tool", args.out, args.quick)
+    name = "08_unseen_tool" if args.eval_tools is None else "08_eval_tools"
+    out = common.out_path(name, args.out, args.quick)
     t0 = time.perf_counter()
+    extra = load_eval_tools(args.eval_tools) if args.eval_tools else None      # fail early on a bad file
     base, cfg, tok, fmt, new_rows = load(args)
     adapters, training = adapters_for(base, cfg, tok, fmt, new_rows, args)
+    if args.train_only:
+        return
     params = lora.merge(base, adapters, args.alpha)
-    res = dict(quick=args.quick, seed=args.seed, n=args.n, systems=SYSTEMS, training=training,
+    res = dict(quick=args.quick, seed=args.seed, training=training,
+               pool=dict(train=[pt.tool.line() for pt in toolpool.TRAIN],
+                         held_out=[pt.tool.line() for pt in toolpool.HELD_OUT]),
                model=dict(name="tiny random" if args.quick else "SmolLM2-135M-Instruct", lora_rank=args.rank,
-                          lora_alpha=args.alpha, trained_params=lora.n_trained(adapters)), smollm2={})
-    for name, system in SYSTEMS.items():
-        ms = missions.unseen_mul(args.n, seed=args.seed + 7, fmt=fmt, system=system)
-        res["smollm2"][name] = score(run(params, cfg, tok, fmt, ms, args), ms, tok, args.examples)
-        print(f"  {name}: {res['smollm2'][name]['called_mul']['k']} / {args.n} called mul, "
-              f"{res['smollm2'][name]['right']['k']} right", flush=True)
-    check = missions.additions(args.check, seed=args.seed + 2, fmt=fmt, split="test")
-    check = [dataclasses.replace(m, trace=(chat.prompt(fmt, m.question, FOUR),) + m.trace[1:]) for m in check]
-    records = run(params, cfg, tok, fmt, check, args)
-    res["check"] = dict(right=common.count(sum(r.answer == m.answer for r, m in zip(records, check)), len(check)),
-                        called_add=common.count(sum(m.calls[0] in [c.strip() for c, _ in r.calls]
-                                             for r, m in zip(records, check)), len(check)))
-    res["small_model"] = None if args.quick else small_model_row()
+                          lora_alpha=args.alpha, trained_params=lora.n_trained(adapters)))
+    if extra is not None:
+        res["eval_tools"] = evaluate_tools(params, cfg, tok, fmt, args, extra, args.n_eval, "eval")
+    else:
+        mul, *others = held_out_targets()
+        res["held_out"] = evaluate_tools(params, cfg, tok, fmt, args, [mul], args.n_mul, "held out")
+        res["held_out"].update(evaluate_tools(params, cfg, tok, fmt, args, others, args.n_held, "held out"))
+        res["renamed"] = renamed_trained(params, cfg, tok, fmt, args)
+        res["check"] = additions_check(params, cfg, tok, fmt, args)
+    res["totals"] = totals(res)
     res["minutes"] = (time.perf_counter() - t0) / 60
     common.write_json(out, res)
     print_table(res)

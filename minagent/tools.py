@@ -18,8 +18,17 @@ model reads like any other result, and may correct itself from.
 Each tool takes the argument text (after the name) and returns a string; inside, a bad
 argument raises ToolError, which the `@tool` decorator turns into that `error: ...` string.
 An application brings tools of its own to a Toolbox (tasks/context: `read`).
+
+A tool can also describe itself: a `Tool` record holds its name, a usage line, one
+sentence of description and its function. `describe(tools)` renders the system text
+that lists them, and `Toolbox(tools=[...])` serves the same records, so what the
+model reads and what the toolbox runs come from one list and cannot disagree:
+
+    describe(calculator_tools(0)[:2])
+        -> "You can call these tools:\nadd A B: adds two numbers.\nreverse WORD: spells a word backwards."
 """
 
+import dataclasses
 import functools
 import random
 import re
@@ -139,10 +148,53 @@ def lookup(table, args):
     raise ToolError(f"unknown person {_shown(name)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A tool that describes itself: what the model reads about it, and what runs when it is called.
+
+        Tool("add", "A B", "adds two numbers.", add).line()   -> "add A B: adds two numbers."
+
+    args: how its arguments are written after the name ("" for none); description: one sentence.
+    The name is the first word of a call; renamed(name) is the same tool under another name.
+    """
+    name: str
+    args: str
+    description: str
+    fn: object          # argument text -> result text
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name):
+            raise ValueError(f"tool name {self.name!r}: one word of letters, digits and _")
+
+    def line(self):
+        """Its line in the system text: usage, then the description."""
+        return f"{self.name} {self.args}".rstrip() + f": {self.description}"
+
+    def renamed(self, name):
+        return dataclasses.replace(self, name=name)
+
+
+TOOLS_HEADER = "You can call these tools:"
+
+
+def describe(tools):
+    """The system text that lists `tools` (Tool records), one line each, in the order given."""
+    return "\n".join([TOOLS_HEADER] + [t.line() for t in tools])
+
+
+def calculator_tools(seed):
+    """The tools of the first design document as Tool records, with the people table of `seed`."""
+    return (Tool("add", "A B", "adds two numbers.", add),
+            Tool("reverse", "WORD", "spells a word backwards.", reverse),
+            Tool("sort", "N1 N2 ...", "puts numbers in increasing order.", sort),
+            Tool("lookup", "NAME age|city", "reads a person's age or city.",
+                 functools.partial(lookup, people_table(seed))),
+            Tool("mul", "A B", "multiplies A by B.", mul))
+
+
 def calculator(seed):
     """The tools of the first design document, with the people table of `seed`: name -> function."""
-    return {"add": add, "reverse": reverse, "sort": sort, "lookup": functools.partial(lookup, people_table(seed)),
-            "mul": mul}
+    return {t.name: t.fn for t in calculator_tools(seed)}
 
 
 class Toolbox:
@@ -153,13 +205,18 @@ class Toolbox:
         box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is not in table 7
         box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
 
-    tools: name -> function (default calculator(seed); () for none: every call an error). A call
+    tools: name -> function, or Tool records (default calculator(seed); () for none: every call an
+    error). A call
     never raises; its answer is at most max_result characters, sent as text whatever it spells.
     fail_first=True: the first call answers BUSY, the next ones work: does the model try again?
     """
 
     def __init__(self, seed=0, *, tools=None, fail_first=False, max_result=MAX_RESULT):
-        self.tools = calculator(seed) if tools is None else dict(tools)
+        if tools is None:
+            tools = calculator(seed)
+        elif not isinstance(tools, dict):
+            tools = [(t.name, t.fn) if isinstance(t, Tool) else t for t in tools]
+        self.tools = dict(tools)
         self.fail_first, self.max_result = fail_first, max_result
         self.calls = 0
         self.log = []       # [(call text, result)] in order
