@@ -241,7 +241,33 @@ def test_no_invented_value_reaches_a_tool(order, amount, request):
         grounded = all(span is not None for span in shop.found_in(args, request).values())
         assert (outcome.status != "rejected") == grounded
         if not grounded:
-            assert outcome.text in ("order not in request", "amount not in request")
+            assert outcome.text in ("order not in request", "amount not in request", "item not in request")
+
+
+def test_a_repair_day_must_be_a_day():
+    """A made-up word is no day: refused as "bad day" before anything runs (it was accepted, and
+    booking needs no approval). Every day the requests use is one, in any case."""
+    for day in ("blorp", "soon", "whenever", "Monday Monday", "the 40th", "March 32", "x" * 10):
+        assert validate(call("book_repair", item="bike", day=day)).reason == "bad day", day
+    for day in shop_data.DAYS["train"] + shop_data.DAYS["test"] + ("friday", "NEXT MONDAY", " Monday "):
+        assert validate(call("book_repair", item="bike", day=day)).ok, day
+
+
+def test_a_repair_item_must_come_from_the_request():
+    request = "My vacuum cleaner makes a strange noise. Can I book a repair for Monday?"
+    for item in ("thing", "device", "bike", "cleaner vacuum"):
+        outcome = execute(validate(call("book_repair", item=item, day="Monday")), request)
+        assert (outcome.status, outcome.text) == ("rejected", "item not in request"), item
+    for item in ("vacuum cleaner", "Vacuum  Cleaner"):
+        assert execute(validate(call("book_repair", item=item, day="Monday")), request).status == "executed"
+
+
+def test_every_gold_repair_of_the_data_is_executed():
+    """The new rules refuse no repair the data set asks for: its items are in its requests, its days are days."""
+    reqs = [r for r in shop_data.test_set(0) + shop_data.train_set(400, 0) if r.tool == "book_repair"]
+    assert len(reqs) > 20
+    for r in reqs:
+        assert execute(validate(shop_data.gold_json(r)), r.text).status == "executed", r
 
 
 def test_back_ends():
