@@ -70,13 +70,17 @@ REASONS = ("invalid JSON", "not an object", "missing tool or args", "unknown too
 ORDER_ID = re.compile(r"A[0-9]{4}")    # [0-9], not \d: \d also matches "A١٢٣٤" (Arabic-Indic digits)
 MAX_AMOUNT = 10_000                    # a larger refund is not a shop refund (and float(10**400) would overflow)
 MIN_AMOUNT = 0.01                      # one cent: 1e-300 dollars is no refund
-_WEEKDAY = "(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)"
-_MONTH = "(?:january|february|march|april|may|june|july|august|september|october|november|december)"
-_NTH = "(?:[1-9]|[12][0-9]|3[01])(?:st|nd|rd|th)"
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December")
+PARTS_OF_DAY = ("morning", "afternoon", "evening")
+_WEEKDAY, _MONTH, _PART = ("(?:" + "|".join(words) + ")" for words in (WEEKDAYS, MONTHS, PARTS_OF_DAY))
+_DATE = "(?:[1-9]|[12][0-9]|3[01])"
 # A repair day, in the forms the requests use (tasks/shop/data.py: DAYS), any case:
 #   Monday, next Wednesday, Tuesday afternoon, March 3, the 14th, the 2nd of May
-DAY = re.compile(rf"(?:next |this )?{_WEEKDAY}(?: (?:morning|afternoon|evening))?"
-                 rf"|{_MONTH} (?:[1-9]|[12][0-9]|3[01])|the {_NTH}(?: of {_MONTH})?", re.IGNORECASE)
+DAY = re.compile(rf"(?:next |this )?{_WEEKDAY}(?: {_PART})?"
+                 rf"|{_MONTH} {_DATE}"
+                 rf"|the {_DATE}(?:st|nd|rd|th)(?: of {_MONTH})?", re.IGNORECASE)
 MAX_TEXT = 200                         # characters of an item, a day, a query or a reason
 
 

@@ -4,16 +4,16 @@ The grammar is the call as data.gold_json writes it, one character at a time:
 
     {"tool": "refund", "args": {"order_id": "A1234", "amount": 240.5}}<end>
     ..........NNNNNN.........................OOOOO.............AAAAA..
-    . literal text   N the tool's NAME   O an ORDER number   A an AMOUNT   (and T, free TEXT)
+    . literal text   N the tool's NAME   O an ORDER number   A an AMOUNT   (and T, free TEXT; D, a DAY)
 
 `program(tool)` lists these pieces, derived from gate.TOOLS (the argument names
-and their order) and the rules of gate._bad_arg (order_id and amount have
+and their order) and the rules of gate._bad_arg (order_id, amount and day have
 their own kinds, every other argument is free TEXT). A state is a small tuple
 
     (tool, piece index, sub-state)      e.g. ("refund", 5, (3, 1, True)) after '..."amount": 240.5'
 
 where the sub-state is how far the current piece has got: chars matched of a
-literal, the tool-name prefix, the length of a text, (integer digits, decimals
+literal, the tool-name or day prefix, the length of a text, (integer digits, decimals
 or -1 before the dot, a nonzero digit seen) of an amount. `step(state, ch)` is
 the automaton's one move; it returns None when no valid call starts that way.
 No state is a dead end: from every state `step` can reach, a call can be finished
@@ -23,9 +23,10 @@ Stricter than validate, never looser: the canonical spacing only, printable
 ASCII without quote or backslash in texts (1 to MAX_TEXT chars, the first not a
 space, so that validate's value.strip() is non-empty), amounts 1-4 integer digits
 without a leading zero and at most 2 decimals, not zero (so at most 9999.99,
-where validate allows up to gate.MAX_AMOUNT = 10000).
+where validate allows up to gate.MAX_AMOUNT = 10000), days in one spelling
+each (DAYS: "next Monday", "March 3", "the 2nd of May"; validate takes any case).
 
-Token level. There are a few hundred states and 95 characters, so we tabulate
+Token level. There are a few thousand states (most of them inside a day) and 95 characters, so we tabulate
 the automaton once (next_QxA) and a mask is a vectorised walk of every token's
 characters through that table: `Constraint.allowed(state)` is the tokens whose
 every char keeps the call viable (memoised per state), plus the end token once
@@ -48,8 +49,22 @@ from minagent.cache import pages_for
 from minagent.tasks.shop import gate
 
 OPEN = '{"tool": "'
-NAME, TEXT, ORDER, AMOUNT = range(4)        # the pieces that are not literal text (a literal is a str)
-KIND = {"order_id": ORDER, "amount": AMOUNT}  # every other argument is free text, as in gate._bad_arg
+NAME, TEXT, ORDER, AMOUNT, DAY = range(5)   # the pieces that are not literal text (a literal is a str)
+KIND = {"order_id": ORDER, "amount": AMOUNT, "day": DAY}   # the others: free text, as in gate._bad_arg
+
+
+def _ordinal(n):
+    """1 -> "1st", 2 -> "2nd", 11 -> "11th", 22 -> "22nd" """
+    return f"{n}{'th' if 10 <= n <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+# Every day the grammar may write: gate.DAY's forms, spelled one way (capitalised names, right ordinals).
+# 859 of them: "Monday", "next Monday morning", "March 3", "the 14th", "the 2nd of May".
+DAYS = frozenset([f"{when}{d}{part}" for when in ("", "next ", "this ") for d in gate.WEEKDAYS
+                  for part in ("", *(" " + p for p in gate.PARTS_OF_DAY))]
+                 + [f"{m} {n}" for m in gate.MONTHS for n in range(1, 32)]
+                 + [f"the {_ordinal(n)}{of}" for n in range(1, 32) for of in ("", *(f" of {m}" for m in gate.MONTHS))])
+DAY_PREFIXES = frozenset(d[:i] for d in DAYS for i in range(len(d) + 1))
 MAX_TEXT = 60
 ALPHABET = "".join(chr(c) for c in range(0x20, 0x7F))    # printable ASCII: every char the grammar can accept
 TEXT_CHARS = frozenset(ALPHABET) - set('"\\')            # no escapes inside a JSON string: none needed
@@ -76,7 +91,7 @@ def program(tool):
 
 
 def _start(piece):
-    return "" if piece == NAME else (0, -1, False) if piece == AMOUNT else 0
+    return "" if piece in (NAME, DAY) else (0, -1, False) if piece == AMOUNT else 0
 
 
 def _eat_amount(sub, ch):
@@ -105,6 +120,8 @@ def _eat(piece, sub, ch):
         return sub + 1 if sub < len(piece) and piece[sub] == ch else None
     if piece == NAME:                            # a prefix of a tool name
         return sub + ch if any(t.startswith(sub + ch) for t in gate.TOOLS) else None
+    if piece == DAY:                             # a prefix of one of the DAYS
+        return sub + ch if sub + ch in DAY_PREFIXES else None
     if piece == TEXT:                            # inside a JSON string: 1-60 chars, the first not a space
         return sub + 1 if ch in TEXT_CHARS and sub < MAX_TEXT and (sub or ch != " ") else None
     if piece == ORDER:                           # "A" and 4 digits, inside the quotes
@@ -117,6 +134,8 @@ def _can_end(piece, sub):
         return sub == len(piece)
     if piece == NAME:
         return sub in gate.TOOLS
+    if piece == DAY:
+        return sub in DAYS
     if piece == TEXT:
         return sub >= 1
     if piece == ORDER:
@@ -165,7 +184,8 @@ def walk(text, state=START):
 
 def max_chars():
     """The longest call the grammar allows, in chars: a limit of max_chars() + 1 tokens always lets it finish."""
-    longest = {NAME: max(map(len, gate.TOOLS)), TEXT: MAX_TEXT, ORDER: 5, AMOUNT: len("9999.99")}
+    longest = {NAME: max(map(len, gate.TOOLS)), TEXT: MAX_TEXT, ORDER: 5, AMOUNT: len("9999.99"),
+               DAY: max(map(len, DAYS))}
     return max(sum(len(p) if isinstance(p, str) else longest[p] for p in program(t)) for t in gate.TOOLS)
 
 
@@ -238,7 +258,7 @@ class Constraint:
         return state
 
     def allowed(self, state):
-        """bool [n_vocab]: the tokens that may come next. Memoised per state (a few hundred states)."""
+        """bool [n_vocab]: the tokens that may come next. Memoised per state."""
         n = self.number[state]
         if n not in self._masks:
             self._masks[n] = self._build(n)
