@@ -19,8 +19,20 @@ Each turn the loop looks once at every live episode, a small state machine:
 
 then advances every running episode by one token with a single batch.step().
 A call runs beside the batch: while one episode waits for its tool, the others
-go on. A tool that raises, hangs or answers something else than text gives its
-episode an `error: ...` result, and no other episode notices.
+go on. The loop's promises (each checked by tests/engine/test_loop_contract.py):
+  - A tool that raises, hangs or answers something else than text gives its episode
+    an `error: ...` result, and no other episode notices.
+  - A call's time limit starts when a worker starts it, not while it waits for one;
+    by default there is a worker for every slot, a worker stuck in a hung tool is
+    replaced, and a hung tool does not keep the process alive once run() returns.
+  - KeyboardInterrupt and SystemExit, raised by a tool or not, end the run: they are
+    not turned into results, and the run frees every page it holds before they go on.
+  - Each message keeps the ids it was sent or sampled as, whatever its text: two
+    model turns with the same text and other ids stay apart.
+  - Text is text: whatever a result, a prompt or a system text holds (special-token
+    spellings, lone surrogates), it is sent as ordinary text and nothing raises.
+  - A view that cannot be sent (Refused, or no message at all) ends that episode as
+    "refused"; the others go on.
 Budgets per episode: at most 8 calls, at most 40 tokens written in one stretch.
 
 An episode keeps its history (chat.Messages). After a result the loop sends
@@ -32,6 +44,8 @@ layer overrides serve() and end() (tasks/context/subagents.py). docs/DESIGN.md,
 
 import concurrent.futures
 import dataclasses
+import queue
+import threading
 import time
 
 import numpy as np
@@ -43,7 +57,7 @@ from minagent.chat import MODEL, PROGRAM, Message
 
 MAX_CALLS = 8
 MAX_STRETCH = 40
-WORKERS = 16       # threads that run tool calls beside the batch
+WORKERS = None     # threads that run tool calls beside the batch (None: one per slot of the batch)
 TIMEOUT = 60.0     # seconds a call may take before the episode reads "error: ... timed out"
 
 
@@ -64,16 +78,78 @@ class Record:
 
 def tool_result(future, call, timeout):
     """What the model reads for a call that ran beside the batch: the tool's text, or an error it can
-    read if the tool raised, answered something else than text, or is still running past its timeout."""
+    read if the tool raised, answered something else than text, or is still running past its timeout.
+    A KeyboardInterrupt or SystemExit the tool raised is raised again here: it is not a result."""
     name = (call.split() or ["tool"])[0][:16]
     if not future.done():
         return f"error: {name} timed out after {timeout:g} s"
-    if future.exception() is not None:
-        return f"error: {name} failed ({type(future.exception()).__name__})"
+    error = future.exception()
+    if error is not None and not isinstance(error, Exception):
+        raise error
+    if error is not None:
+        return f"error: {name} failed ({type(error).__name__})"
     result = future.result()
     if not isinstance(result, str):
         return f"error: {name} returned {type(result).__name__}, not text"
     return result
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One call given to the Workers: its Future, and when a worker started it (None while queued)."""
+    fn: object
+    arg: str
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    started: float | None = None
+
+
+class Workers:
+    """Threads that run tool calls beside the batch: submit(fn, arg) -> a Job.
+
+    A job's clock starts when a worker takes it from the queue, so a call never times out while it
+    waits for a worker. A worker whose call ran past its time is given up (abandon) and replaced
+    at once: a hung tool holds one thread, never the pool. The threads are daemons, so a tool
+    still hung when the program ends does not keep the process alive (a ThreadPoolExecutor's
+    threads are joined at exit).
+    """
+
+    def __init__(self, n):
+        self.queue, self.lock = queue.SimpleQueue(), threading.Lock()
+        self.n, self.given_up = n, set()
+        for _ in range(n):
+            self._spawn()
+
+    def _spawn(self):
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self):
+        while (job := self.queue.get()) is not None:
+            job.started = time.monotonic()
+            try:
+                job.future.set_result(job.fn(job.arg))
+            except BaseException as e:           # KeyboardInterrupt too: tool_result raises it in the loop
+                job.future.set_exception(e)
+            with self.lock:
+                if job in self.given_up:         # replaced already: this thread leaves
+                    self.given_up.discard(job)
+                    return
+
+    def submit(self, fn, arg):
+        job = Job(fn, arg)
+        self.queue.put(job)
+        return job
+
+    def abandon(self, job):
+        """Give up a job past its time: its worker is replaced now, and leaves if the tool ever returns."""
+        with self.lock:
+            if not job.future.done() and job not in self.given_up:
+                self.given_up.add(job)
+                self._spawn()
+
+    def close(self):
+        """Let every idle worker leave (one that is stuck in a tool leaves when it returns, if ever)."""
+        for _ in range(self.n):
+            self.queue.put(None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,11 +158,10 @@ class Episode:
     toolbox: object        # call text -> result text
     history: tuple         # chat.Messages
     authors: list          # of the sequence's tokens, up to what the model is writing now
-    encoded: dict          # Message -> (token ids, author): how each message is sent
+    encoded: dict          # id(Message) -> (Message, token ids, author): how each message is sent
     calls: list = dataclasses.field(default_factory=list)
     call: str | None = None          # the call being served: the episode waits for its result
-    future: object = None            # the call's concurrent.futures.Future, while in a worker
-    deadline: float = 0.0            # time.monotonic() past which the call has timed out
+    job: Job | None = None           # the call's Job, while a worker has it
     record: Record | None = None     # once it has ended
 
 
@@ -109,13 +184,15 @@ def new_batch(params, cfg, tok, fmt, *, slots=32, max_len=512, page_size=16, hol
 
 class Loop:
     """Episodes in one batch: start() each, then run() until each has its Record. A call runs in one
-    of `workers` threads, `timeout` s at most, beside the batch (workers=0: inline, to compare)."""
+    of `workers` threads (None: one per slot), `timeout` s at most from when a worker starts it, beside
+    the batch (workers=0: the loop waits for each call, as if it ran inline, to compare)."""
 
     def __init__(self, batch, tok, fmt, *, view=whole, max_calls=MAX_CALLS, max_stretch=MAX_STRETCH,
                  workers=WORKERS, timeout=TIMEOUT):
         self.call_id, self.result_id, self.end_id = (tok.special(s) for s in (fmt.call, fmt.result, fmt.end))
         if batch.pause_tokens != {self.result_id} or self.end_id not in batch.stop_tokens:
             raise ValueError(f"the batch must pause on {fmt.result} and stop on {fmt.end}: build it with new_batch")
+        workers = batch.slots if workers is None else workers
         for name, value, least in (("max_calls", max_calls, 0), ("max_stretch", max_stretch, 1), ("workers", workers, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name}={value!r}: an integer >= {least}")
@@ -123,27 +200,28 @@ class Loop:
             raise ValueError(f"timeout={timeout!r}: seconds, > 0")
         self.batch, self.tok, self.fmt, self.view = batch, tok, fmt, view
         self.max_calls, self.max_stretch, self.workers, self.timeout = max_calls, max_stretch, workers, timeout
-        self.live, self.pool = [], None        # the pool of workers, while run() runs
+        self.live, self.pool = [], None        # the Workers, while run() runs
 
     def start(self, prompt, toolbox, system=None):
         """A new episode, queued in the batch -> its Episode."""
         first, segment = chat.opening(self.fmt, prompt, system)
         ids = chat.encode(self.tok, segment)
         ep = Episode(self.batch.add(ids, self.max_stretch), toolbox, (first,), [PROGRAM] * len(ids),
-                     {first: (ids, PROGRAM)})
+                     {id(first): (first, ids, PROGRAM)})
         self.live.append(ep)
         return ep
 
     def run(self):
         """Advance every live episode until all have ended: the loop's state machine."""
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(self.workers, 1))
+        self.pool = Workers(max(self.workers, 1))
         try:
             while self.live:
                 for ep in list(self.live):
                     status = self.batch.seqs[ep.seq].status
                     if ep.call is not None:                        # waiting for a tool: has it answered?
-                        if ep.future is not None and (ep.future.done() or time.monotonic() > ep.deadline):
-                            self.deliver(ep, tool_result(ep.future, ep.call, self.timeout))
+                        if ep.job is not None and (ep.job.future.done() or self.late(ep.job)):
+                            self.pool.abandon(ep.job)              # a no-op if it answered
+                            self.deliver(ep, tool_result(ep.job.future, ep.call, self.timeout))
                     elif status in ADVANCING:                      # running
                         continue
                     elif status == "stopped":                      # finished: it wrote <|end|>
@@ -157,16 +235,24 @@ class Loop:
                         self.serve(ep, ep.call)
                 if not self.step():                                # running: one token each
                     self.wait()                                    # or nothing can run until a tool answers
-        finally:                                                   # a tool still running keeps its thread
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        finally:                     # normally none is live here; after an exception, free their pages
+            for ep in self.live:
+                self.batch.finish(ep.seq)
+            self.live = []
+            self.pool.close()
 
     def serve(self, ep, call):
         """Start the call in a worker; run() delivers its result. (A layer may serve a call otherwise,
         and deliver() its result itself.) With workers=0 the loop waits for it, as if run inline."""
-        ep.future = self.pool.submit(ep.toolbox, call)
-        ep.deadline = time.monotonic() + self.timeout
+        ep.job = self.pool.submit(ep.toolbox, call)
         if not self.workers:
-            concurrent.futures.wait([ep.future], timeout=self.timeout)
+            while not (ep.job.future.done() or self.late(ep.job)):
+                concurrent.futures.wait([ep.job.future], timeout=self.timeout / 20)
+            self.pool.abandon(ep.job)          # if it hung: the next call gets a fresh worker
+
+    def late(self, job):
+        """Whether the job has run past its time limit, counted from when a worker started it."""
+        return job.started is not None and time.monotonic() > job.started + self.timeout
 
     def step(self):
         """One batch step -> False if no sequence took one: none runs, or each slot holds an episode
@@ -174,28 +260,32 @@ class Loop:
         try:
             return bool(self.batch.step())
         except Stuck:
-            if not any(ep.future is not None for ep in self.live):     # no tool will ever free a slot
+            if not any(ep.job is not None for ep in self.live):     # no tool will ever free a slot
                 raise
             return False
 
     def wait(self):
-        """Sleep until the first tool in flight answers, or its deadline passes."""
-        flying = [ep for ep in self.live if ep.future is not None]     # with any that answered since run() looked
-        if flying:
-            until = min(ep.deadline for ep in flying) - time.monotonic()
-            concurrent.futures.wait([ep.future for ep in flying], timeout=max(until, 0),
+        """Sleep until the first tool in flight answers, or the first time limit passes. A queued job
+        has no time limit yet: it starts as a worker frees, so the sleep is at most one timeout."""
+        jobs = [ep.job for ep in self.live if ep.job is not None]     # with any that answered since run() looked
+        if jobs:
+            ends = [job.started + self.timeout for job in jobs if job.started is not None]
+            until = min(ends, default=time.monotonic() + self.timeout) - time.monotonic()
+            concurrent.futures.wait([job.future for job in jobs], timeout=max(until, 0),
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def deliver(self, ep, result):
         """The result of the episode's call: add it to the history, send the next view, resume."""
         ep.calls.append((ep.call, result))
-        ep.call = ep.future = None
+        ep.call = ep.job = None
         self.note_written(ep)
         ep.history += (Message("result", result),)
         try:
             view = self.view(ep.history, lambda m: len(self.encode(ep, m)[0]))
         except Refused as refusal:                                 # not retried: it would be refused again
             return self.end(ep, "refused", str(refusal))
+        if not view:
+            return self.end(ep, "refused", "the view holds no message")
         sent = [self.encode(ep, m) for m in view]
         ids = [t for tokens, _ in sent for t in tokens]
         if not self.batch.fits(len(ids), self.max_stretch):
@@ -217,10 +307,10 @@ class Loop:
     def encode(self, ep, m):
         """How message m is sent -> (ids, author). The opening and the model's words keep the tokens they
         were, so a new view starts with exactly the tokens of the old one up to its first change."""
-        if m not in ep.encoded:
+        if id(m) not in ep.encoded:         # by identity: two messages of the same text keep their own ids
             segment = chat.render_message(m, self.fmt)
-            ep.encoded[m] = (chat.encode(self.tok, segment), segment.author)
-        return ep.encoded[m]
+            ep.encoded[id(m)] = (m, chat.encode(self.tok, segment), segment.author)   # m held: its id stays its own
+        return ep.encoded[id(m)][1:]
 
     def written(self, ep, after=None):
         """What the model wrote since the program last wrote, as text: from its last `after` token
@@ -235,7 +325,7 @@ class Loop:
         ids = self.batch.seqs[ep.seq].tokens[len(ep.authors):]
         if ids:
             said = Message("model", self.tok.decode(ids))
-            ep.encoded.setdefault(said, (ids, MODEL))
+            ep.encoded[id(said)] = (said, ids, MODEL)
             ep.history += (said,)
             ep.authors += [MODEL] * len(ids)
 

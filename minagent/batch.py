@@ -127,6 +127,7 @@ class Batch:
         # would cost max_len keys per row per layer; this costs at most twice the longest row's length,
         # for at most log2(W) + 1 shapes per step kind.
         self.widths = sorted({min(2 ** i, W) for i in range(W.bit_length() + 1)})
+        self.slots = slots
         self.seqs = {}                                              # id -> Sequence
         self.compiles = 0                                           # traces of the jitted steps we caused
         self._in_slot = [None] * slots                              # slot -> sequence id
@@ -141,8 +142,12 @@ class Batch:
         this stretch (a grammar's constraint, say); every stretch starts from an empty list.
         """
         id = len(self.seqs)
-        tokens = self._check(tokens, limit)
+        tokens = self._check(tokens, limit)          # every argument checked before anything changes
         seed = (self.seed * 1_000_003 + id) % 2**31 if seed is None else seed
+        if not _is_int(seed) or not 0 <= seed < 2**31:
+            raise ValueError(f"seed={seed!r}: an integer in [0, 2**31), a sampling stream of the int32 step")
+        if mask is not None and not callable(mask):
+            raise ValueError(f"mask={mask!r}: None, or a function of the tokens sampled -> bool [V]")
         self.seqs[id] = Sequence(id, tokens, list(tokens), limit, seed, mask, stretch=len(tokens))
         self._queue.append(id)
         return id

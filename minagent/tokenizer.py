@@ -39,6 +39,15 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # digit is its own chunk, then the GPT-2 regex runs on the text between digits. One regex does
 # both: `\p{N}` comes first, ` ?\p{N}+` is gone, and a digit ends a run of spaces the way the end
 # of the text does (`(?![^\s\p{N}])` instead of `(?!\S)`), so "a  4" -> "a", "  ", "4".
+LONE_SURROGATE = regex.compile("[\ud800-\udfff]")   # a str may hold them (surrogateescape, JSON); UTF-8 may not
+REPLACEMENT = "\ufffd"
+
+
+def well_formed(text):
+    """text with each lone surrogate replaced by U+FFFD, so that it has a UTF-8 encoding to tokenize."""
+    return LONE_SURROGATE.sub(REPLACEMENT, text) if LONE_SURROGATE.search(text) else text
+
+
 SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 MINAGENT_SPECIALS = ["<|user|>", "<|assistant|>", "<|end|>", "<|call|>", "<|result|>"]
 
@@ -142,8 +151,8 @@ class Tokenizer:
         return ids
 
     def encode_ordinary(self, text):
-        """text -> ids, with special-token names treated as plain text."""
-        cache, ids = self._cache, []
+        """text -> ids, with special-token names treated as plain text (lone surrogates as U+FFFD)."""
+        text, (cache, ids) = well_formed(text), (self._cache, [])
         if len(cache) > 500_000:  # bound the memory on endless novel text
             cache.clear()
         for chunk in self._split.findall(text):
@@ -259,7 +268,7 @@ def train(text, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGENT_SPECIAL
     """Learn vocab_size - 256 merges on `text`; the specials get the ids after: 8192, 8193, ...
 
     Stops early (fewer pieces) if the corpus runs out of pairs."""
-    return train_counts(_count_words(text, pattern, specials), vocab_size, pattern, specials, progress)
+    return train_counts(_count_words(well_formed(text), pattern, specials), vocab_size, pattern, specials, progress)
 
 
 def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGENT_SPECIALS, progress=False):

@@ -218,12 +218,19 @@ class Toolbox:
             tools = [(t.name, t.fn) if isinstance(t, Tool) else t for t in tools]
         self.tools = dict(tools)
         self.fail_first, self.max_result = fail_first, max_result
-        self.calls = 0
-        self.log = []       # [(call text, result)] in order
+        self.log = []       # [(call text, result)] in order, one for each call
+
+    @property
+    def calls(self):
+        """Calls made so far: the log's length, so that the count and the log always agree."""
+        return len(self.log)
 
     def __call__(self, call_text):
-        self.calls += 1
-        result = BUSY if self.fail_first and self.calls == 1 else self._run(call_text)
+        try:
+            result = BUSY if self.fail_first and not self.log else self._run(call_text)
+        except BaseException as e:              # KeyboardInterrupt, SystemExit: logged, then raised on
+            self.log.append((call_text, f"error: interrupted ({type(e).__name__})"))
+            raise
         if len(result) > self.max_result:
             result = result[:self.max_result - 3] + "..."
         self.log.append((call_text, result))
@@ -237,6 +244,7 @@ class Toolbox:
         if name not in self.tools:
             return f"error: unknown tool {_shown(name)}"
         try:
-            return self.tools[name](args)
+            result = self.tools[name](args)
         except Exception as e:                  # a bug in a tool: still an answer the model (and we) can read
             return f"error: {name} failed ({type(e).__name__})"
+        return result if isinstance(result, str) else f"error: {name} returned {type(result).__name__}, not text"

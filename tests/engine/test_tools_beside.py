@@ -118,12 +118,12 @@ def test_a_tool_that_answers_before_the_loop_sleeps_wakes_it():
     """A tool may answer after run() looked at its episode and before run() sleeps: wait() must
     return at once, not sleep until another tool's deadline (a lost wake-up that once stalled a
     test for 60 s)."""
-    answered, slow = cf.Future(), cf.Future()
-    answered.set_result("ok")
-    now = time.monotonic()
-    live = [SimpleNamespace(future=slow, deadline=now + 30.0), SimpleNamespace(future=answered, deadline=now + 30.0)]
+    answered, slow = agent.Job(None, ""), agent.Job(None, "")
+    answered.future.set_result("ok")
+    answered.started = slow.started = time.monotonic()
+    live = [SimpleNamespace(job=slow), SimpleNamespace(job=answered)]
     t0 = time.monotonic()
-    agent.Loop.wait(SimpleNamespace(live=live))
+    agent.Loop.wait(SimpleNamespace(live=live, timeout=30.0))
     assert time.monotonic() - t0 < 5.0
 
 
