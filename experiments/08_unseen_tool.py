@@ -57,9 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--n-held", type=int, default=40, help="questions per other held-out tool and system text")
     p.add_argument("--n-renamed", type=int, default=8, help="questions per trained tool under a new name")
     p.add_argument("--check", type=int, default=100, help="additions in held-out phrasings")
-    p.add_argument("--episodes", type=int, default=1400, help="training episodes of the pool")
-    p.add_argument("--calculator", type=int, default=400, help="training missions of the calculator")
-    p.add_argument("--steps", type=int, default=240, help="LoRA steps")
+    p.add_argument("--episodes", type=int, default=3000, help="training episodes of the pool")
+    p.add_argument("--calculator", type=int, default=500, help="training missions of the calculator")
+    p.add_argument("--steps", type=int, default=400, help="LoRA steps")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -71,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--n-eval", type=int, default=40, help="questions of --eval-tools, each way")
     p.add_argument("--train-only", action="store_true", help="train (or load) the adapters, evaluate nothing")
     p.add_argument("--retrain", action="store_true", help="train the adapters again, even if cached")
+    p.add_argument("--small", action="store_true",
+                   help="the demo's small model, trained from scratch on the same traces, instead of SmolLM2")
+    p.add_argument("--small-steps", type=int, default=1500, help="training steps of --small")
     p.add_argument("--quick", action="store_true", help="a tiny random model, few questions: a smoke test")
     p.add_argument("--out", default=None, help="the JSON file (default experiments/results/08_unseen_tool.json)")
     args = p.parse_args(argv)
@@ -139,7 +142,7 @@ def adapters_for(base, cfg, tok, fmt, new_rows, args):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    recipe = dict(data="toolpool-1", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
+    recipe = dict(data="toolpool-2", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
                   alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_read_tools", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
     return c["params"], dict(c["extra"], traces=len(exs), longest_tokens=longest, cached=c["cached"],
@@ -161,6 +164,8 @@ def score(records, episodes, tok, n_examples=0):
         right=common.count(sum(r.answer == e.mission.answer for r, e in zip(records, episodes)), n),
         called_right=common.count(sum(g is not None and g in [c.strip() for c, _ in r.calls]
                                       for r, g in zip(records, gold)), n),
+        solved=common.count(sum(g is not None and g in [c.strip() for c, _ in r.calls] and r.answer == e.mission.answer
+                                for r, g, e in zip(records, gold, episodes)), n),
         called_target=common.count(sum(e.target in ns for ns, e in zip(names, episodes)), n),
         called_any=common.count(sum(bool(ns) for ns in names), n),
         unlisted=common.count(sum(any(x not in e.listed for x in ns) for ns, e in zip(names, episodes)), n),
@@ -183,7 +188,7 @@ def evaluate_tools(params, cfg, tok, fmt, args, targets, n, label):
         out[name] = row
         d, nd = row["described"], row["not described"]
         print(f"  {label} {name:14} described: {d['called_right']['k']:>3}/{n} called right, "
-              f"{d['right']['k']:>3} right | not described: {nd['called_target']['k']:>3} call it | "
+              f"{d['solved']['k']:>3} right by the call | not described: {nd['called_target']['k']:>3} call it | "
               f"unlisted {d['unlisted']['k'] + nd['unlisted']['k']}", flush=True)
     return out
 
@@ -238,42 +243,77 @@ def pct(c):
 
 def print_table(res):
     print(f"\n08: tools the model has only read about (SmolLM2 + LoRA{' tiny, --quick' if res['quick'] else ''})")
-    print(f"  {'':16} {'described: called right':>24} {'right':>16} {'not described: calls it':>24} "
+    print(f"  {'':16} {'described: called right':>24} {'right by the call':>16} {'not described: calls it':>24} "
           f"{'unlisted calls':>16}")
     for group in ("held_out", "eval_tools"):
         for name, row in res.get(group, {}).items():
             d, nd = row["described"], row["not described"]
             un = common.count(d["unlisted"]["k"] + nd["unlisted"]["k"], d["unlisted"]["n"] + nd["unlisted"]["n"])
-            print(f"  {name:16} {pct(d['called_right']):>24} {pct(d['right'])} {pct(nd['called_target']):>24} "
+            print(f"  {name:16} {pct(d['called_right']):>24} {pct(d['solved'])} {pct(nd['called_target']):>24} "
                   f"{pct(un)}")
     for key, label in (("renamed", "trained tools, new names"), ("check", "additions (03)")):
         if key in res:
             r = res[key]
-            print(f"  {label:26} called right {pct(r['called_right'])}, right {pct(r['right'])}, "
+            print(f"  {label:26} called right {pct(r['called_right'])}, right {pct(r['right'])} "
+                  f"(by the call {pct(r['solved'])}), "
                   f"unlisted {pct(r['unlisted'])}")
     t = res["totals"]
     print(f"  held-out tools but mul, called right when described: {pct(t['held_out_called_right'])}; "
           f"episodes calling an unlisted tool, every test set: {pct(t['unlisted'])}")
 
 
+def small_model(args):
+    """The demo's small model (tasks/calculator/demo.SMALL), trained from scratch on the same traces with a
+    BPE of 1,024 pieces learned on them -> (params, cfg, tok, fmt, training). Cached by recipe."""
+    fmt = chat.CHATML
+    pool = [e.mission for e in toolpool.training_set(args.episodes, args.seed, fmt)]
+    calc, _ = calculator_missions(args.calculator, args.seed, fmt)
+    text = "\n".join(chat.text(m.trace) for m in pool + calc)
+    tok = tk.train(text, vocab_size=1024, pattern=tk.SMOLLM_PATTERN, specials=fmt.specials)
+    exs = training_examples(tok, fmt, args)
+    cfg = model.Config(vocab_size=tok.n_vocab, **demo.SMALL)
+    tcfg = train.TrainConfig(steps=args.small_steps, batch_size=16, seq_len=256, lr=3e-3, warmup=50,
+                             seed=args.seed, log_every=50)
+
+    def train_fn(path):
+        print(f"the small model on {len(exs)} traces: {tcfg.steps} steps of {tcfg.batch_size} x {tcfg.seq_len}")
+        params = model.init(jax.random.PRNGKey(args.seed), cfg)
+        (params, history), seconds = common.timed(train.train, params, cfg, exs, tcfg, progress=True)
+        done = dict(train_minutes=seconds / 60, loss=[(h["step"], round(h["loss"], 4)) for h in history])
+        if path:
+            train.save_checkpoint(path, params, None, cfg, tcfg, tcfg.steps, tokenizer=tok, extra=done)
+        return dict(params=params, extra=done)
+
+    recipe = dict(data="toolpool-2", episodes=args.episodes, calculator=args.calculator, arch=demo.SMALL,
+                  vocab=1024, tcfg=dataclasses.asdict(tcfg))
+    c = common.cached("08_small", recipe, train_fn, retrain=args.retrain, quick=args.quick)
+    training = dict(c["extra"], traces=len(exs), cached=c["cached"], tcfg=dataclasses.asdict(tcfg),
+                    checkpoint=common.in_repo(c["path"]) if c["path"] else None)
+    return c["params"], cfg, tok, fmt, training
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if not args.quick and not weights.smollm2_path().exists():
+    if not (args.quick or args.small) and not weights.smollm2_path().exists():
         sys.exit(f"{weights.smollm2_path()} not found: `python -m minagent.weights fetch`")
-    name = "08_unseen_tool" if args.eval_tools is None else "08_eval_tools"
+    name = "08_eval_tools" if args.eval_tools else "08_unseen_tool_small" if args.small else "08_unseen_tool"
     out = common.out_path(name, args.out, args.quick)
     t0 = time.perf_counter()
     extra = load_eval_tools(args.eval_tools) if args.eval_tools else None      # fail early on a bad file
-    base, cfg, tok, fmt, new_rows = load(args)
-    adapters, training = adapters_for(base, cfg, tok, fmt, new_rows, args)
+    if args.small and not args.quick:
+        params, cfg, tok, fmt, training = small_model(args)
+        about = dict(name="small, from scratch", arch=demo.SMALL, params=model.n_params(params))
+    else:
+        base, cfg, tok, fmt, new_rows = load(args)
+        adapters, training = adapters_for(base, cfg, tok, fmt, new_rows, args)
+        params = lora.merge(base, adapters, args.alpha)
+        about = dict(name="tiny random" if args.quick else "SmolLM2-135M-Instruct", lora_rank=args.rank,
+                     lora_alpha=args.alpha, trained_params=lora.n_trained(adapters))
     if args.train_only:
         return
-    params = lora.merge(base, adapters, args.alpha)
     res = dict(quick=args.quick, seed=args.seed, training=training,
                pool=dict(train=[pt.tool.line() for pt in toolpool.TRAIN],
-                         held_out=[pt.tool.line() for pt in toolpool.HELD_OUT]),
-               model=dict(name="tiny random" if args.quick else "SmolLM2-135M-Instruct", lora_rank=args.rank,
-                          lora_alpha=args.alpha, trained_params=lora.n_trained(adapters)))
+                         held_out=[pt.tool.line() for pt in toolpool.HELD_OUT]), model=about)
     if extra is not None:
         res["eval_tools"] = evaluate_tools(params, cfg, tok, fmt, args, extra, args.n_eval, "eval")
     else:

@@ -20,6 +20,7 @@ import pytest
 from conftest import FAST_COMPILE
 
 from minagent import model, train
+from minagent.tasks import toolpool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -292,11 +293,57 @@ def test_07_choose_quick(tmp_path):
 @pytest.mark.slow
 def test_08_unseen_tool_quick(tmp_path):
     res = run_quick("08_unseen_tool.py", tmp_path)
-    assert res["quick"] is True and set(res["smollm2"]) == {"described", "not described"}
-    for r in res["smollm2"].values():
-        assert r["right"]["n"] == 6 and sum(r["first_tool"].values()) == 6
-        assert r["mul_well_formed"]["k"] <= r["called_mul"]["k"] <= r["called"]["k"] <= 6
-    assert res["check"]["right"]["n"] == 4 and res["training"]["cached"] is False
+    assert res["quick"] is True and res["training"]["cached"] is False
+    assert set(res["held_out"]) == {pt.tool.name for pt in toolpool.HELD_OUT}
+    for name, row in res["held_out"].items():
+        n = 4 if name == "mul" else 2
+        for r in row.values():
+            assert r["right"]["n"] == n and sum(r["first_tool"].values()) == n
+            assert r["solved"]["k"] <= min(r["called_right"]["k"], r["right"]["k"])
+            assert r["called_right"]["k"] <= r["called_target"]["k"] <= r["called_any"]["k"] <= n
+        assert row["not described"]["called_right"]["k"] == 0        # no gold call to make: not listed
+    assert res["renamed"]["right"]["n"] == len(toolpool.TRAIN) and res["check"]["right"]["n"] == 4
+    assert res["totals"]["held_out_called_right"]["n"] == 2 * (len(toolpool.HELD_OUT) - 1)
+
+
+EVAL_TOOLS = """
+import random
+from minagent.tools import Tool, ToolError, tool
+
+def shout(text):
+    words = text.split()
+    if len(words) != 1:
+        raise ToolError("takes one word")
+    return words[0].upper() + "!"
+
+TOOLS = [Tool("shout", "WORD", "writes a word in capitals with an exclamation mark.", tool(shout))]
+
+def questions(n, seed):
+    rng = random.Random(seed)
+    return [("shout", f"Shout the word {w}.", w) for w in (rng.choice(["hello", "stop", "wait"]) for _ in range(n))]
+"""
+
+
+@pytest.mark.slow
+def test_08_eval_tools_reads_a_file_from_outside(tmp_path):
+    """--eval-tools: tools defined in a file of the user's (here in a temporary folder), evaluated
+    described and not described, on the tiny model of --quick."""
+    (tmp_path / "mine").mkdir()
+    path = tmp_path / "mine" / "my_tools.py"
+    path.write_text(EVAL_TOOLS)
+    res = run_quick("08_unseen_tool.py", tmp_path, extra=("--eval-tools", str(path)))
+    assert set(res["eval_tools"]) == {"shout"} and "held_out" not in res
+    for r in res["eval_tools"]["shout"].values():
+        assert r["right"]["n"] == 2 and r["unlisted"]["n"] == 2
+
+
+def test_08_eval_tools_refuses_a_file_without_questions(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(EVAL_TOOLS.replace('("shout", f"Shout', '("other", f"Shout'))
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "08_unseen_tool.py"), "--quick",
+                           "--eval-tools", str(path), "--out", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "asks nothing of tool shout" in proc.stderr
 
 
 # ---------------------------------------------------------------- 06: keeping long turns inside the context window
