@@ -7,8 +7,10 @@ Each episode runs on a rote model (minagent/tasks/rote.py) that calls a tool at 
 after each result, `--calls` times; each call sleeps 50 to 200 ms (a network call, a
 database), drawn per call from a seeded stream, the same draws in both runs. Inline
 (agent.run(..., workers=0)) every call holds the whole batch; beside the batch (the default,
-a pool of worker threads) the other episodes go on. Prints both wall times and their ratio,
-and the sum of the tools' sleeps, which bounds the inline run from below.
+a worker thread per slot) the other episodes go on. Prints both wall times and their ratio,
+and the sum of the tools' sleeps, which bounds the inline run from below. A third run gives
+the calls an eighth as many workers and a 0.6 s time limit: calls queue for a worker, and
+since a limit starts only when a worker takes the call, none may time out.
 """
 
 import argparse
@@ -36,14 +38,16 @@ class SlowTool:
         return "42"
 
 
-def run(batch, tok, n, calls, workers):
+def run(batch, tok, n, calls, workers, timeout=agent.TIMEOUT):
+    """-> (wall seconds, seconds the tools slept, calls that read "timed out")."""
     tools = [SlowTool(i) for i in range(n)]
     t0 = time.perf_counter()
     records = agent.run(batch, tok, FMT, [f"question {i}" for i in range(n)], tools, max_calls=calls,
-                        workers=workers)
+                        workers=workers, timeout=timeout)
     wall = time.perf_counter() - t0
-    assert all(r.status == "calls" and len(r.calls) == calls for r in records)
-    return wall, sum(t.slept for t in tools)
+    timeouts = sum("timed out" in result for r in records for _, result in r.calls)
+    assert timeouts or all(r.status == "calls" and len(r.calls) == calls for r in records)
+    return wall, sum(t.slept for t in tools), timeouts
 
 
 def main(argv=None):
@@ -60,16 +64,24 @@ def main(argv=None):
     params, cfg = rote.rote(tok, "<|assistant|><|call|>look<|result|>")
     batch = agent.new_batch(params, cfg, tok, FMT, slots=args.episodes, max_len=128)
     run(batch, tok, 2, 1, args.workers)                      # compile the steps before timing
-    inline, slept = run(batch, tok, args.episodes, args.calls, workers=0)
-    beside, _ = run(batch, tok, args.episodes, args.calls, workers=args.workers)
+    inline, slept, _ = run(batch, tok, args.episodes, args.calls, workers=0)
+    beside, _, _ = run(batch, tok, args.episodes, args.calls, workers=args.workers)
+    # More calls than workers: a call waits for a worker, and its time limit (3x the slowest tool)
+    # starts only when one takes it, so no call may time out however long the queue.
+    few = max(args.episodes // 8, 1)
+    queued, _, false_timeouts = run(batch, tok, args.episodes, args.calls, workers=few, timeout=0.6)
+    workers = "one per slot" if args.workers is None else f"{args.workers} threads"
     print(f"{args.episodes} episodes x {args.calls} calls of 50-200 ms ({slept:.1f} s of tools in all)")
-    print(f"  inline (workers=0)        {inline:6.2f} s")
-    print(f"  beside the batch ({args.workers} threads) {beside:6.2f} s")
-    print(f"  ratio                     {inline / beside:6.2f}x")
+    print(f"  inline (workers=0)             {inline:6.2f} s")
+    print(f"  beside the batch ({workers}) {beside:6.2f} s")
+    print(f"  ratio                          {inline / beside:6.2f}x")
+    print(f"  {few} workers, time limit 0.6 s  {queued:6.2f} s, {false_timeouts} calls timed out (of "
+          f"{args.episodes * args.calls}; none should: no tool takes over 0.2 s)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(episodes=args.episodes, calls=args.calls, workers=args.workers, tool_seconds=slept,
-                           inline_s=inline, beside_s=beside, ratio=inline / beside), f, indent=2)
+                           inline_s=inline, beside_s=beside, ratio=inline / beside, few_workers=few,
+                           few_workers_s=queued, few_workers_timeouts=false_timeouts), f, indent=2)
 
 
 if __name__ == "__main__":

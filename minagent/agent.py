@@ -176,8 +176,10 @@ def whole(history, count):
 
 def new_batch(params, cfg, tok, fmt, *, slots=32, max_len=512, page_size=16, holders=None, **batch_kw):
     """A Batch for the loop: it pauses on fmt.result and stops on fmt.end. Its pool has room for `holders`
-    sequences of max_len at once (default: one per slot). batch_kw go to Batch (cache, temperature, ...)."""
-    n_pages = (holders or slots) * pages_for(max_len, page_size) + 1             # + the null page
+    sequences of max_len at once (default: one per slot). batch_kw go to Batch (cache, temperature, ...).
+    On a mesh of D devices each device holds the pages of its share of them, holders / D."""
+    D = 1 if batch_kw.get("mesh") is None else batch_kw["mesh"].size
+    n_pages = -(-(holders or slots) // D) * pages_for(max_len, page_size) + 1     # + the null page, a device
     return Batch(params, cfg, slots=slots, n_pages=n_pages, page_size=page_size, max_len=max_len,
                  pause_tokens=[tok.special(fmt.result)], stop_tokens=[tok.special(fmt.end)], **batch_kw)
 

@@ -98,6 +98,8 @@ class Batch:
             raise ValueError(f"buckets={buckets!r}: prefill lengths, integers >= 1")
         if attention not in ("gather", "pallas"):
             raise ValueError(f"attention={attention!r}: 'gather' or 'pallas'")
+        if attention == "pallas":
+            devices.check_pallas(page_size, cfg.head_dim)
         D = 1 if mesh is None else mesh.size
         mesh = None if mesh is None else devices.automatic(mesh)
         if mesh is not None and (mesh.axis_names != ("data",) or slots % D):

@@ -90,6 +90,10 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
         # Write first, then read the row's pages back: the chunk attends to itself through the cache.
         # The cache is carried from layer to layer, so XLA updates it in place (no per-layer copies).
         # (NumPy's rule: index arrays split by a slice put their dims first, so the target is [B, T, K, H].)
+        # A non-finite key or value is written as 0: a row that overflows keeps its NaN in its own
+        # logits (the residual stream carries it), and no other row can read it from a page it gets
+        # later, nor from the null page; Pallas attention relies on that (devices.paged_attention).
+        k_BxTxKxH, v_BxTxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_BxTxKxH, v_BxTxKxH))
         k_LxKxPxZxH = k_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
         v_LxKxPxZxH = v_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
         if attention == "pallas":

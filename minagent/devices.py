@@ -14,17 +14,34 @@ import jax.numpy as jnp
 from minagent import decode
 
 
+MIN_DOT = 16     # Triton's dot multiplies blocks of at least 16 along every dimension
+
+
+def check_pallas(page_size, head_dim):
+    """Raise ValueError unless the Pallas kernel can compile for these shapes on a GPU.
+
+    The kernel multiplies a query block [16, head_dim] by a key block [head_dim, pages * page_size]
+    with Triton's dot, which needs 16 or more along each dimension. A row of one page (the Batch's
+    first table width) loads one page at a time, so page_size itself must be 16 or more. Checked on
+    every backend: interpret mode would run a shape that a GPU then refuses to compile."""
+    if page_size < MIN_DOT or head_dim < MIN_DOT:
+        raise ValueError(f"Pallas attention needs page_size >= {MIN_DOT} and head_dim >= {MIN_DOT} (Triton's "
+                         f"dot), not {page_size} and {head_dim}: use a larger page size, or attention='gather'")
+
+
 def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length_B):
     """Layer l's attention, one query per row over row b's first length_B[b] positions -> [B, N, H].
 
     The gather path's attention by JAX's Pallas paged-attention kernel, which loads only a row's pages
-    (online softmax): Triton on a GPU, interpret mode elsewhere (slow: for checking). It needs finite
-    cache contents past a row's length (0 * NaN is NaN); freed pages hold old K/V. A kernel takes whole
+    (online softmax): Triton on a GPU, interpret mode elsewhere (slow: for checking). It multiplies the
+    masked weights of positions past a row's length by their values, so it needs those values finite
+    (0 * NaN is NaN): decode.extend never writes a non-finite key or value. A kernel takes whole
     buffers, so k[l] would be copied out each layer; instead the cache is one kv head of L * K * P pages
     (a reshape), row b's head k a kernel row on pages (l * K + k) * P + its table (docs/DESIGN.md).
     """
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
     (L, K, P, Z, H), (B, N, _), W = k_LxKxPxZxH.shape, q_BxNxH.shape, page_table_BxW.shape[1]
+    check_pallas(Z, H)
     splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
     block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
     q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_LxKxPxZxH.dtype)

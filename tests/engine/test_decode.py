@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minagent import decode, model
+from minagent import decode, devices, model
 from minagent.batch import Batch
 from minagent.cache import PagePool, init_cache, pages_for
 
@@ -25,8 +25,8 @@ extend = jax.jit(decode.extend, static_argnums=1)
 forward = jax.jit(model.forward, static_argnums=1)
 
 
-def tiny(n_heads=4, n_kv_heads=2, tie=True, seed=0, vocab=61):
-    cfg = model.Config(vocab_size=vocab, d_model=32, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
+def tiny(n_heads=4, n_kv_heads=2, tie=True, seed=0, vocab=61, d_model=32):
+    cfg = model.Config(vocab_size=vocab, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
                        d_ff=48, tie_embeddings=tie)
     return model.init(jax.random.PRNGKey(seed), cfg), cfg
 
@@ -245,14 +245,14 @@ def test_pallas_attention_equals_the_gather_path():
     decode step: random page tables in a shuffled pool, lengths from 1 to the table's width,
     paused rows and a free one, finite garbage in every page a row has not written. Same logits
     and cache (to float tolerance), same sampled tokens."""
-    params, cfg = tiny(seed=3)
+    params, cfg = tiny(seed=3, d_model=64)                      # head_dim 16: Triton's dot needs 16
     rng = np.random.RandomState(4)
-    B, Z, W, n_pages = 6, 4, 8, 64
+    B, Z, W, n_pages = 6, 16, 4, 32
     cache = init_cache(cfg, n_pages, Z)
     cache = jax.tree.map(lambda c: jnp.asarray(rng.normal(size=c.shape) * 3, c.dtype), cache)   # old K/V
     pool = PagePool(n_pages)
     rng.shuffle(pool.free[0])
-    lengths_B = np.array([0, 1, 5, 12, 27, 17], np.int32)         # row 0 is free: nothing, no pages
+    lengths_B = np.array([0, 1, 5, 12, 30, 17], np.int32)         # row 0 is free: nothing, no pages
     table_BxW = np.zeros((B, W), np.int32)
     for b, n in enumerate(lengths_B):
         pages = pool.alloc(pages_for(int(n) + 4, Z)) if n else []
@@ -278,3 +278,58 @@ def test_pallas_attention_equals_the_gather_path():
         np.testing.assert_allclose(caches["pallas"][name][:, :, 1:], caches["gather"][name][:, :, 1:], atol=2e-5)
     with pytest.raises(ValueError, match="'pallas' for one"):
         decode.extend(params, cfg, cache, prompt_BxT, np.zeros(B, np.int32), lengths_B, table_BxW, "pallas")
+
+
+def test_pallas_refuses_the_shapes_triton_cannot_compile():
+    """Suspected, and confirmed by reading the kernel: it multiplies [16, head_dim] by [head_dim, pages *
+    page_size] with Triton's dot, which needs 16 or more on each side, and at the Batch's first table
+    width (one page) it loads one page at a time. Interpret mode would run page_size 4 anyway; a GPU
+    would not compile it. So the Batch and the kernel's wrapper refuse it, on every backend."""
+    params, cfg = tiny(d_model=64)                               # head_dim 16
+    for page_size in (4, 8):
+        with pytest.raises(ValueError, match="page_size >= 16"):
+            Batch(params, cfg, slots=2, page_size=page_size, attention="pallas")
+    small, small_cfg = tiny()                                    # head_dim 8
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        Batch(small, small_cfg, slots=2, page_size=16, attention="pallas")
+    Batch(params, cfg, slots=2, page_size=16, attention="pallas")
+    Batch(small, small_cfg, slots=2, page_size=4)               # the gather path takes any shape
+    cache = init_cache(cfg, 4, 8)
+    with pytest.raises(ValueError, match="page_size >= 16"):
+        devices.paged_attention(jnp.zeros((1, 4, 16)), cache["k"], cache["v"], 0, np.ones((1, 1), np.int32),
+                                np.ones(1, np.int32))
+
+
+def nan_token_model(bad=5):
+    """A tiny model whose token `bad` embeds as NaN (untied: its output row stays finite)."""
+    params, cfg = tiny(d_model=64, vocab=40, tie=False)
+    return {**params, "embed": params["embed"].at[bad].set(jnp.nan)}, cfg
+
+
+@pytest.mark.parametrize("attention", ["gather", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_a_non_finite_value_of_one_sequence_reaches_no_other(attention):
+    """Suspected: the Pallas kernel multiplies the masked weights of positions past a row's length by
+    their values, so a NaN left in a page (by a sequence that overflowed, then gave the page back)
+    would reach the next owner, where the gather path zeroes masked values. Confirmed in interpret
+    mode (the next owner's logits were NaN). Now a key or value that overflows is written as 0: the
+    cache holds only finite numbers, the overflow shows in its own sequence's logits, and the next
+    owner of its page decodes as if alone, in both paths."""
+    params, cfg = nan_token_model()
+    kw = dict(slots=1, n_pages=3, page_size=16, max_len=32, attention=attention, keep_logits=True)
+    batch = Batch(params, cfg, **kw)
+    a = batch.add([1, 2, 3, 4, 5], 3)                  # the decode step pushes token 5: it overflows
+    while batch.running():
+        batch.step()
+    assert np.isnan(batch.seqs[a].logits[0]).all()
+    batch.finish(a)
+    b = batch.add([10, 11], 6)                         # takes a's page: positions 2 to 7 were a's
+    while batch.running():
+        batch.step()
+    alone = Batch(params, cfg, **kw)
+    c = alone.add([10, 11], 6)
+    while alone.running():
+        alone.step()
+    got, want = np.stack(batch.seqs[b].logits), np.stack(alone.seqs[c].logits)
+    assert 5 not in batch.seqs[b].tokens and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert all(bool(jnp.isfinite(batch.kv[n]).all()) for n in ("k", "v"))

@@ -193,3 +193,30 @@ def test_a_batch_split_over_8_devices_gives_the_single_device_tokens():
     """)))
     assert all(same for same, _, _ in got), got
     assert sum(p for _, p, _ in got) > 0 and sum(k for _, _, k in got) > 0
+
+
+@slow
+def test_new_batch_gives_each_device_the_pages_of_its_own_holders():
+    """Suspected, and confirmed: on a mesh of D devices new_batch gave every device the pages of all
+    `holders`, D times what is needed (Batch's n_pages is per device). Now each device holds the
+    pages of holders / D sequences of max_len (rounded up), and that is enough for a full batch."""
+    got = result(python("""
+        from minagent import agent, chat
+        from minagent import tokenizer as tk
+        from minagent.cache import pages_for
+        from minagent.tasks.rote import rote
+        tok = tk.train("look at this " * 50, vocab_size=300, specials=tk.MINAGENT_SPECIALS)
+        params, cfg = rote(tok, "<|assistant|><|call|>look<|result|>")
+        mesh = train.data_mesh()
+        out = {}
+        for holders in (None, 12):
+            b = agent.new_batch(params, cfg, tok, chat.MINAGENT, slots=16, max_len=64, holders=holders, mesh=mesh)
+            out[str(holders)] = [b.pool.n_pages, b.pool.devices, pages_for(64, 16)]
+        records = agent.run(b, tok, chat.MINAGENT, [f"q{i}" for i in range(16)], [lambda c: "ok"] * 16, max_calls=2)
+        out["records"] = [len(r.calls) for r in records]
+        out["used"] = b.pool.n_used
+        print(json.dumps(out))
+    """))
+    assert got["None"] == [2 * 4 + 1, 8, 4]            # 16 holders / 8 devices = 2 each, 4 pages each
+    assert got["12"] == [2 * 4 + 1, 8, 4]              # 12 / 8, rounded up
+    assert got["records"] == [2] * 16 and got["used"] == 0
