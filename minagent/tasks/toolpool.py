@@ -346,9 +346,11 @@ TRAIN = (
        _num(2, 30), ("What is {a} cubed?", "Cube {a}.", "What is the cube of {a}?"), ("Raise {a} to its cube.",)),
     _p("double", "N", "multiplies a number by two.", lambda t: str(2 * _numbers(t, 1)[0]), "arithmetic",
        _num(2, 999), ("Double {a}.", "What is twice {a}?", "What is double {a}?"), ("What is {a} doubled?",)),
+    # (not "What is three times {a}?": with triple absent, that phrasing taught "What is N times M?"
+    # -> no tool, and mul's "What is {a} times {b}?" went unanswered with mul listed; LOG, 2026-12-02)
     _p("triple", "N", "multiplies a number by three.", lambda t: str(3 * _numbers(t, 1)[0]), "arithmetic",
-       _num(2, 999), ("Triple {a}.", "What is three times {a}?", "What is {a} tripled?"),
-       ("What is thrice {a}?",)),
+       _num(2, 999), ("Triple {a}.", "What is thrice {a}?", "What is {a} tripled?"),
+       ("What do you get when you triple {a}?",)),
     _p("half", "N", "divides a number by two.", lambda t: str(_numbers(t, 1)[0] // 2), "arithmetic", _even,
        ("Halve {a}.", "What is half of {a}?", "What is {a} halved?"), ("Divide {a} by two.",)),
     _p("divide", "A B", "divides A by B.", _exact_divide, "arithmetic", _divisible,
@@ -642,7 +644,7 @@ def draw_listed(rng, pool, k, must=None, never=()):
     return chosen
 
 
-def training_set(n, seed, fmt, *, absent=0.15, rename=0.7, mistakes=0.1):
+def training_set(n, seed, fmt, *, absent=0.1, rename=0.7, mistakes=0.1):
     """n training episodes over TRAIN: a tool's question with that tool among the 2 to 6 listed, or
     (a fraction `absent`) not listed, nor any tool that could also answer it (ALSO_FITS), answered
     NO_TOOL. A fraction `mistakes` of the others start with a wrong call and its error. Each tool is
