@@ -86,7 +86,7 @@ def get_model(args):
 def new_batch(params, cfg, tok, cache):
     # max_len: room for 8 stretches of 40 tokens and 8 results, whatever the model writes (an episode
     # that would not fit ends as "max_len"); pages are taken only as the episode grows.
-    return agent.new_batch(params, cfg, tok, FMT, slots=64, max_len=1024, cache=cache)
+    return agent.new_batch(params, cfg, tok, FMT, slots=64, max_len=1024, reuse_cache=reuse_cache)
 
 
 def loop(batch, tok, prompts):
@@ -119,8 +119,8 @@ def main():
     result_id = tok.special(FMT.result)
     test = chains(args.per_k, args.ks, args.seed + 1)        # another seed: chains it has not seen
     prompts = [p for _, p, _, _ in test]
-    cached = loop(new_batch(params, cfg, tok, cache=True), tok, prompts)
-    uncached = loop(new_batch(params, cfg, tok, cache=False), tok, prompts)
+    cached = loop(new_batch(params, cfg, tok, reuse_cache=True), tok, prompts)
+    uncached = loop(new_batch(params, cfg, tok, reuse_cache=False), tok, prompts)
     same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(cached, uncached))
     checked = all((a.positions, b.positions) == by_hand(a.tokens, a.authors, result_id)
                   for a, b in zip(cached, uncached))

@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from minagent import chat
-from minagent.batch import ADVANCING, Batch, Stuck
+from minagent.batch import ADVANCING, Batch, Status, Stuck, check_int
 from minagent.cache import pages_for
 from minagent.chat import MODEL, PROGRAM, Message
 
@@ -176,9 +176,10 @@ def whole(history, count):
 
 def new_batch(params, cfg, tok, fmt, *, slots=32, max_len=512, page_size=16, holders=None, **batch_kw):
     """A Batch for the loop: it pauses on fmt.result and stops on fmt.end. Its pool has room for `holders`
-    sequences of max_len at once (default: one per slot). batch_kw go to Batch (cache, temperature, ...).
+    sequences of max_len at once (default: one per slot). batch_kw go to Batch (temperature, runner, ...).
     On a mesh of D devices each device holds the pages of its share of them, holders / D."""
-    D = 1 if batch_kw.get("mesh") is None else batch_kw["mesh"].size
+    mesh = batch_kw["runner"].mesh if "runner" in batch_kw else None
+    D = 1 if mesh is None else mesh.size
     n_pages = -(-(holders or slots) // D) * pages_for(max_len, page_size) + 1     # + the null page, a device
     return Batch(params, cfg, slots=slots, n_pages=n_pages, page_size=page_size, max_len=max_len,
                  pause_tokens=[tok.special(fmt.result)], stop_tokens=[tok.special(fmt.end)], **batch_kw)
@@ -195,9 +196,9 @@ class Loop:
         if batch.pause_tokens != {self.result_id} or self.end_id not in batch.stop_tokens:
             raise ValueError(f"the batch must pause on {fmt.result} and stop on {fmt.end}: build it with new_batch")
         workers = batch.slots if workers is None else workers
-        for name, value, least in (("max_calls", max_calls, 0), ("max_stretch", max_stretch, 1), ("workers", workers, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name}={value!r}: an integer >= {least}")
+        for name, value, least in (("max_calls", max_calls, 0), ("max_stretch", max_stretch, 1),
+                                   ("workers", workers, 0)):
+            check_int(name, value, least)
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}: seconds, > 0")
         self.batch, self.tok, self.fmt, self.view = batch, tok, fmt, view
@@ -226,9 +227,9 @@ class Loop:
                             self.deliver(ep, tool_result(ep.job.future, ep.call, self.timeout))
                     elif status in ADVANCING:                      # running
                         continue
-                    elif status == "stopped":                      # finished: it wrote <|end|>
+                    elif status is Status.STOPPED:                 # finished: it wrote <|end|>
                         self.end(ep, "done", self.written(ep))
-                    elif status == "length":                       # finished: its stretch ran out
+                    elif status is Status.LENGTH:                  # finished: its stretch ran out
                         self.end(ep, "stretch")
                     elif len(ep.calls) == self.max_calls:          # paused on a call over the budget
                         self.end(ep, "calls")

@@ -24,7 +24,7 @@ LoRA does not touch the embedding table. `new_rows=n` adds a trainable delta
 [E, D] to the table's last E rows (with tied embeddings, the output head too),
 starting at zero like B.
 
-Shape letters: docs/DESIGN.md, "Shape legend" (R the rank, E new embedding rows).
+Shape letters: the legend in model.py (R the rank, E new embedding rows).
 """
 
 import functools

@@ -12,7 +12,19 @@ over them: one compiled layer, not L (SmolLM2 has 30). A shallow model is unroll
 few layers the scan's bookkeeping (slicing weights, stacking gradients) costs more than it
 saves. The pieces of a layer (`qkv`, `attend`, `finish_layer`) are public: the paged
 decode step (decode.py) runs them with keys and values read from the cache.
-Shape letters (suffixes on array names): docs/DESIGN.md, "Shape legend".
+
+Shape legend, for every module of the engine: array names carry their shape as a suffix
+(`k_LxKxPxZxH`, `page_table_BxW`, `active_B`), and each letter has one meaning.
+
+    B        rows of a batch (training rows, prefill rows, decode slots)
+    T        token positions along a row (a sequence, or the new tokens of a chunk: the queries)
+    S        key positions a query attends to
+    D N K    model width; query heads; key/value heads
+    G H F    G = N / K query heads per key/value head; head dimension; MLP hidden width
+    V L      vocabulary; layers
+    P Z W    pages in the cache pool; positions per page (page size); pages per row (the page-table width)
+    R I O E  LoRA rank; a projection's input and output widths; new embedding rows (LoRA)
+    M        rows of a 2-D product (B * T folded into one axis, `dense`)
 """
 
 import dataclasses
@@ -97,15 +109,20 @@ def with_vocab(cfg, params):
 UNROLL = 4   # a model of at most this many layers is unrolled, not scanned
 
 
-def dense(x_BxTxI, w_IxO):
+def dense(x_BxTxI, w_IxO, out_dtype=None):
     """x @ w with the leading axes folded into one: [B, T, I] -> [B*T, I] @ [I, O] -> [B, T, O].
 
     The same product. Why fold: on CPU, XLA's backward pass through a 3-D product writes its
     gradients through slow transposes; the 2-D one does not. w may be int8 (int8.quantize).
+    out_dtype: the result's dtype (default: x's); the output head asks for float32 logits,
+    summed in float32 even when x and w are bfloat16.
     """
     *lead, I = x_BxTxI.shape
     x_MxI = x_BxTxI.reshape(-1, I)
-    y_MxO = int8.dot(x_MxI, w_IxO) if isinstance(w_IxO, int8.Int8) else x_MxI @ w_IxO
+    if isinstance(w_IxO, int8.Int8):
+        y_MxO = int8.dot(x_MxI, w_IxO).astype(out_dtype or x_MxI.dtype)
+    else:
+        y_MxO = jnp.dot(x_MxI, w_IxO, preferred_element_type=out_dtype)
     return y_MxO.reshape(*lead, y_MxO.shape[-1])
 
 
@@ -176,10 +193,7 @@ def unembed(params, cfg, x_BxTxD):
     """Final norm and output head -> float32 logits."""
     h_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
     w_DxV = params["unembed"] if "unembed" in params else params["embed"].T
-    if isinstance(w_DxV, int8.Int8):
-        return dense(h_BxTxD, w_DxV).astype(jnp.float32)
-    B, T, D = h_BxTxD.shape          # folded to 2-D as in dense()
-    return jnp.dot(h_BxTxD.reshape(B * T, D), w_DxV, preferred_element_type=jnp.float32).reshape(B, T, -1)
+    return dense(h_BxTxD, w_DxV, jnp.float32)
 
 
 # ---------------------------------------------------------------- whole sequences

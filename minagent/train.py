@@ -16,7 +16,7 @@ The loss is the mean over supervised tokens (nats per token). Traces are packed 
 into rows of `seq_len` tokens (`pack`), positions restarting at 0 for each and
 `segments` keeping it from its neighbours: packed, a trace gets the loss it gets alone.
 
-Shape letters: docs/DESIGN.md, "Shape legend".
+Shape letters: the legend in model.py.
 """
 
 import dataclasses
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from minagent import devices, model
+from minagent import model
+from minagent.mesh import automatic
 
 FORMAT_VERSION = 1   # of the checkpoint file; bump it when the layout changes
 
@@ -213,11 +214,6 @@ def _cached_train_step(cfg, tcfg, loss=None):
 
 # ---------------------------------------------------------------- on a mesh of devices
 
-def data_mesh(devices=None):
-    """A one-axis mesh, "data", over `devices` (default: every device of every process)."""
-    return jax.sharding.Mesh(np.array(devices or jax.devices()), ("data",))
-
-
 def placement(tree, mesh, sharding="data"):
     """Where each leaf of `tree` lives on the mesh: a NamedSharding per leaf.
 
@@ -271,7 +267,7 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     `loss(params, cfg, batch, frozen) -> (nats per supervised token, n)` differentiates,
     `frozen` is only read (lora.py: the adapters and the base model; no eval_examples).
 
-    mesh, sharding: train over the devices of a mesh (data_mesh()): each step's rows are
+    mesh, sharding: train over the devices of a mesh (mesh.data_mesh()): each step's rows are
     split over its "data" axis, and params, optimizer state and `frozen` are placed as
     placement(..., sharding) says. The step is the same jitted function; XLA adds the
     communication. batch_size must be a multiple of the devices. Several processes: each
@@ -291,7 +287,7 @@ def train(params, cfg, examples, tcfg, eval_examples=None, progress=True, checkp
     opt_state = jax.tree.map(jnp.array, opt_state)
     place = lambda tree: tree    # noqa: E731    one device: where they are
     if mesh is not None:
-        mesh = devices.automatic(mesh)
+        mesh = automatic(mesh)
         if tcfg.batch_size % mesh.size:
             raise ValueError(f"batch_size={tcfg.batch_size} must be a multiple of the mesh's {mesh.size} devices")
         rows_BxT = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
