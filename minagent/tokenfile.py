@@ -8,6 +8,7 @@ import pathlib
 
 import regex
 
+from minagent import gguf
 from minagent import tokenizer as tk
 
 FORMAT = "minagent-bpe v1"
@@ -97,7 +98,6 @@ def loads(text, path="<text>"):
 
 def from_gguf(path):
     """SmolLM2's tokenizer from its GGUF file: the same pieces, ids, merges and specials as the original."""
-    from minagent import gguf
 
     meta, _ = gguf.read(path)
     if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") != "smollm":

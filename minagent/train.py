@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from minagent import model
+from minagent import model, tokenfile
 from minagent.mesh import automatic
 
 FORMAT_VERSION = 1   # of the checkpoint file; bump it when the layout changes
@@ -353,7 +353,6 @@ def save_checkpoint(path, params, opt_state, cfg, tcfg, step, tokenizer=None, ex
                   step=int(step), extra=extra, has_opt_state=opt_state is not None,
                   dtypes={k: str(a.dtype) for k, a in arrays.items()})   # .npy has no bfloat16: kept here
     if tokenizer is not None:
-        from minagent import tokenfile
         arrays["tokenizer"] = np.frombuffer(tokenfile.dumps(tokenizer).encode(), np.uint8)
     arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
 
@@ -414,7 +413,6 @@ def load_checkpoint(path, params_like=None, opt_state_like=None):
 
     tok = None
     if "tokenizer" in arrays:
-        from minagent import tokenfile
         tok = tokenfile.loads(arrays["tokenizer"].tobytes().decode("utf-8"), path)
     return dict(params=params, opt_state=opt_state, cfg=cfg, tcfg=tcfg, step=header["step"],
                 tokenizer=tok, extra=header["extra"])

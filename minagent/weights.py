@@ -23,7 +23,7 @@ import zipfile
 import jax.numpy as jnp
 import numpy as np
 
-from minagent import gguf
+from minagent import gguf, tokenfile
 from minagent.model import Config
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,7 +103,6 @@ def load_params(path=None, dtype="float32"):
 
 def load_smollm2(path=None, dtype="float32"):
     """-> (params, cfg, tokenizer) of SmolLM2-135M-Instruct."""
-    from minagent import tokenfile
     params, cfg = load_params(path, dtype)
     return params, cfg, tokenfile.from_gguf(path or smollm2_path())
 

@@ -85,3 +85,45 @@ def test_nothing_points_outside_the_repository():
              for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
              if OUTSIDE.search(line)]
     assert not found, "\n".join(found[:20])
+
+
+PATH = ["tokenizer", "model", "cache", "decode", "mesh", "runner", "batch", "agent"]   # the reader's order
+
+
+def minagent_imports(path, top_level_only=False):
+    """The engine modules a file imports: "from minagent.batch import Batch" -> {"batch"}."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minagent"):
+            parts = node.module.split(".")
+            found |= {a.name for a in node.names} if len(parts) == 1 else {parts[1]}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("minagent.")}
+    return {name for name in found if (ROOT / "minagent" / f"{name}.py").exists()}
+
+
+def test_imports_run_one_way():
+    """Along the reader's path a module imports only modules before it; across the whole engine the
+    imports form no circle; and every import is at the top of its module (none hides in a function,
+    where it could dodge a circle)."""
+    graph = {p.stem: minagent_imports(p) for p in ENGINE}
+    for i, name in enumerate(PATH):
+        later = graph[name] & set(PATH[i + 1:])
+        assert not later, f"{name}.py imports {sorted(later)}, which come after it"
+    for p in ENGINE:
+        assert minagent_imports(p) == minagent_imports(p, top_level_only=True), f"{p.name}: an import inside code"
+    done, visiting = set(), []
+
+    def visit(name):
+        assert name not in visiting, f"an import circle: {' -> '.join(visiting + [name])}"
+        if name not in done:
+            visiting.append(name)
+            for other in graph.get(name, ()):
+                visit(other)
+            visiting.pop()
+            done.add(name)
+    for name in graph:
+        visit(name)
+    assert "decode" not in graph["train"] and "runner" not in graph["train"]     # training pulls in no decoding
