@@ -1,4 +1,5 @@
-"""The scheduler: up to B sequences decoding together, each pausing, resuming and finishing on its own.
+"""The scheduler: up to B sequences decoding together, each pausing, resuming and finishing
+on its own.
 
     batch = Batch(params, cfg, slots=8, pause_tokens=[RESULT], stop_tokens=[END])
     i = batch.add(prompt, limit=40)
@@ -16,23 +17,33 @@ Each sequence is a small state machine:
     any --finish--> FINISHED   (pages back to the pool, slot freed, tokens still readable)
 
 A paused sequence keeps its slot and its pages but no longer goes through the
-model: its pause-mask bit (Slots.active_B) is off. A parked one keeps only its pages;
-send() queues it, and it takes a free slot on the device that holds them.
+model: its pause-mask bit (Slots.active_B) is off. park() gives back a waiting
+sequence's slot but keeps its pages, for one that will wait long; the next send()
+queues it again, and it takes a free slot on the device that holds its pages.
 
-Pending tokens: the tail of a sequence's tokens whose K/V is not in the cache yet.
-A running sequence always has one, the last token, which the next decode step pushes.
-The subtle case: a sampled `<|result|>` is pending when the sequence pauses, so on
-resume it enters the cache with the appended tokens: [<|result|>] + result + [<|assistant|>].
+Pending tokens. Each sequence keeps `pending`, the tail of its tokens whose K/V
+is not in the cache yet. A running sequence always has at least one: the last
+token, which the next decode step pushes to sample the one after it. The
+subtle case: a sampled `<|result|>` is pending when the sequence pauses, so on
+resume it enters the cache together with the appended tokens:
+pending = [<|result|>] + tool result + [<|assistant|>].
 
-send() keeps the cache of the longest common prefix of the old and new tokens (K/V at
-a position depends only on the tokens up to it); a resume is the case where that is
-everything. Admission reserves pages for all the stretch can write, and a stretch that
-ends gives back what it did not fill: a paused-and-resumed sequence holds as many pages
-as the same text given whole. (docs/engine.md: "The pause mask", "Prefix reuse".)
+send(id, tokens, limit) gives a waiting sequence its next token list. K/V at a
+position depends only on the tokens up to it (attention is causal), so the
+cache of the longest common prefix of the old and new tokens stays, and only
+the rest is pushed: a prefix cache. A resume is the case where the new tokens
+extend the old ones, and everything cached stays. With reuse_cache=False every
+position is pushed again, as in an engine without a KV cache.
 
-A step is: admit what can be (`_admit`), prefill what it holds (`_prefill`), then one
-decode step for every running sequence (`_decode`), whose tokens `_took` appends. The
-device work (shapes, the cache, the jitted steps) is the Runner's (runner.py).
+Pages: admission reserves pages for every position the stretch can write (its
+length + limit - 1), and a stretch that ends gives back the pages it did not
+fill. So a paused-and-resumed sequence holds exactly as many pages as the same
+text given whole as a prompt. (docs/engine.md: "The pause mask", "Prefix reuse".)
+
+A step is: admit what can be (`_admit`), prefill pending[:-1] of each newly
+admitted sequence (`_prefill`: rows of T tokens, T from a few length buckets),
+then one decode step over all B slots (`_decode`), whose tokens `_took` appends.
+The device work (shapes, the cache, the jitted steps) is the Runner's (runner.py).
 """
 
 import dataclasses
@@ -54,12 +65,13 @@ class Status(enum.StrEnum):
     FINISHED = "finished"    # its pages and slot given back
 
 
-ADVANCING = frozenset({Status.QUEUED, Status.RUNNING})                   # advance without the caller
-WAITING = frozenset({Status.PAUSED, Status.STOPPED, Status.LENGTH})      # send() starts a new stretch
+ADVANCING = frozenset({Status.QUEUED, Status.RUNNING})               # advance without the caller
+WAITING = frozenset({Status.PAUSED, Status.STOPPED, Status.LENGTH})  # send() starts a new stretch
 
 
 class Stuck(RuntimeError):
-    """Nothing can run until the caller finishes a sequence or sends it tokens (a slot or pages to free)."""
+    """Nothing can run until the caller finishes a sequence or sends it tokens (a slot or
+    pages to free)."""
 
 
 def is_int(x):
@@ -80,14 +92,16 @@ class Sequence:
     pending: list                  # tail of `tokens` whose K/V is not in the cache yet
     limit: int                     # tokens it may still sample in this stretch
     seed: int                      # its sampling stream (sample() folds in the position)
-    mask: object = None            # mask(tokens sampled in this stretch) -> bool [V] of allowed tokens, or None
+    mask: object = None            # mask(tokens sampled in this stretch) -> bool [V] of allowed
+    #                                tokens, or None
     status: Status = Status.QUEUED
     slot: int | None = None        # its row in the decode step, while it holds one
     pages: list = dataclasses.field(default_factory=list)
     stretch: int = 0               # index in `tokens` of the first token sampled in this stretch
     positions: int = 0             # positions pushed through the model so far
-    refilled: int = 0              # of those, the ones pushed because send() changed more than the end
-    logits: list = dataclasses.field(default_factory=list)   # [V] per sampled token, with keep_logits
+    refilled: int = 0              # of those, the ones pushed because send() changed more than
+    #                                the end
+    logits: list = dataclasses.field(default_factory=list)  # [V] per sampled token (keep_logits)
 
     @property
     def cached(self):              # positions whose K/V is in the cache
@@ -105,11 +119,11 @@ class Batch:
     D devices, each with slots / D slots and its own n_pages pages).
     """
 
-    def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024, stop_tokens=(),
-                 pause_tokens=(), reuse_cache=True, temperature=0.0, top_k=0, seed=0, keep_logits=False,
-                 runner=RunnerConfig()):
-        for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2), ("page_size", page_size, 1),
-                                   ("max_len", max_len, 2)):
+    def __init__(self, params, cfg, *, slots=8, n_pages=256, page_size=16, max_len=1024,
+                 stop_tokens=(), pause_tokens=(), reuse_cache=True, temperature=0.0, top_k=0,
+                 seed=0, keep_logits=False, runner=RunnerConfig()):
+        for name, value, least in (("slots", slots, 1), ("n_pages", n_pages, 2),
+                                   ("page_size", page_size, 1), ("max_len", max_len, 2)):
             check_int(name, value, least)
         decode.check_sampling(temperature, top_k)
         self.runner = Runner(params, cfg, runner, slots=slots, n_pages=n_pages, page_size=page_size,
@@ -119,15 +133,17 @@ class Batch:
         self.reuse_cache, self.seed, self.keep_logits = reuse_cache, seed, keep_logits
         self.temperature, self.top_k = float(temperature), int(top_k)
         self.pool = PagePool(n_pages, n_devices=self.runner.n_devices)
-        self.state = decode.Slots.idle(slots, pages_for(max_len, page_size))   # the decode step's input, on the host
-        self.seqs = {}                                              # id -> Sequence
-        self._in_slot = [None] * slots                              # slot -> sequence id
-        self._queue = []                                            # ids waiting for a slot or pages
+        # the decode step's input, kept on the host
+        self.state = decode.Slots.idle(slots, pages_for(max_len, page_size))
+        self.seqs = {}                              # id -> Sequence
+        self._in_slot = [None] * slots              # slot -> sequence id
+        self._queue = []                            # ids waiting for a slot or pages
 
     # ------------------------------------------------------------ the caller's moves
 
     def add(self, tokens, limit, *, seed=None, mask=None):
-        """A new sequence, queued; -> its id. `seed` picks its sampling stream (default: from its id).
+        """A new sequence, queued; -> its id. `seed` picks its sampling stream (default: from
+        its id).
 
         mask(sampled) -> bool [V]: the tokens it may sample next, given those sampled so far in
         this stretch (a grammar's constraint, say); every stretch starts from an empty list.
@@ -137,15 +153,19 @@ class Batch:
         tokens = self._check(tokens, limit)
         seed = (self.seed * 1_000_003 + id) % 2**31 if seed is None else seed
         if not is_int(seed) or not 0 <= seed < 2**31:
-            raise ValueError(f"seed={seed!r}: an integer in [0, 2**31), a sampling stream of the int32 step")
+            raise ValueError(f"seed={seed!r}: an integer in [0, 2**31), a sampling stream of the "
+                             f"int32 step")
         if mask is not None and not callable(mask):
-            raise ValueError(f"mask={mask!r}: None, or a function of the tokens sampled -> bool [V]")
-        self.seqs[id] = Sequence(id, tokens, list(tokens), limit, int(seed), mask, stretch=len(tokens))
+            raise ValueError(f"mask={mask!r}: None, or a function of the tokens sampled -> "
+                             f"bool [V]")
+        self.seqs[id] = Sequence(id, tokens, list(tokens), limit, int(seed), mask,
+                                 stretch=len(tokens))
         self._queue.append(id)
         return id
 
     def send(self, id, tokens, limit):
-        """A waiting sequence's new token list, and `limit` more tokens to sample -> positions to push.
+        """A waiting sequence's new token list, and `limit` more tokens to sample -> positions
+        to push.
 
         The cached K/V of the longest common prefix of its cached tokens and `tokens` stays (at
         most len(tokens) - 1 positions: the last token is always pending, for the decode step to
@@ -159,16 +179,17 @@ class Batch:
         """
         seq = self.seqs[id]
         if seq.status not in WAITING:
-            raise ValueError(f"sequence {id} is {seq.status}; only paused, stopped or length sequences "
-                             f"are sent tokens")
+            raise ValueError(f"sequence {id} is {seq.status}; only paused, stopped or length "
+                             f"sequences are sent tokens")
         tokens = self._check(tokens, limit)
         shared = 0
         for old, new in zip(seq.tokens[:min(seq.cached, len(tokens) - 1)], tokens):
             if old != new:
                 break
             shared += 1
-        # Without reuse nothing is kept, but the pages are, as with it: the same pages hold the same
-        # positions either way, so the two runs are scheduled alike and differ only in what they push.
+        # Without reuse nothing is kept, but the pages are, as with it: the same pages hold the
+        # same positions either way, so the two runs are scheduled alike and differ only in what
+        # they push.
         keep = shared if self.reuse_cache else 0
         self._release(seq, keep=pages_for(shared, self.page_size))
         if tokens[:len(seq.tokens)] != seq.tokens:          # not only appended to: a changed view
@@ -179,10 +200,12 @@ class Batch:
         return len(seq.pending)
 
     def park(self, id):
-        """Give a waiting sequence's slot back, keeping its pages (its cache); send() queues it again."""
+        """Give a waiting sequence's slot back, keeping its pages (its cache), for one that will
+        wait long; send() queues it again."""
         seq = self.seqs[id]
         if seq.status not in WAITING:
-            raise ValueError(f"sequence {id} is {seq.status}; only paused, stopped or length sequences are parked")
+            raise ValueError(f"sequence {id} is {seq.status}; only paused, stopped or length "
+                             f"sequences are parked")
         self._leave_slot(seq)
 
     def finish(self, id):
@@ -199,7 +222,8 @@ class Batch:
         return [i for i, s in self.seqs.items() if s.status in ADVANCING]
 
     def fits(self, n_tokens, limit):
-        """Whether a sequence of n_tokens may sample `limit` more: within max_len and the cache's pages."""
+        """Whether a sequence of n_tokens may sample `limit` more: within max_len and the
+        cache's pages."""
         return self._too_long(n_tokens, limit) is None
 
     def step(self):
@@ -208,10 +232,12 @@ class Batch:
         return self._decode(running) if running else {}
 
     def steps(self, n):
-        """Up to n tokens for each running sequence in one device call -> {id: [tokens sampled]}:
-        what n calls of step() would give it, with one trip to the host instead of n
-        (decode.decode_steps). A token mask needs the host at each token, so while a masked
-        sequence runs (or with keep_logits) this takes one step. Each n compiles on first use.
+        """Up to n tokens for each running sequence in one device call -> {id: [tokens sampled]}.
+
+        Each sequence samples what n calls of step() would give it (its stretch may end sooner),
+        with one trip to the host instead of n (decode.decode_steps). A token mask needs the host
+        at each token, so while a masked sequence runs (or with keep_logits) this takes one
+        step. Each n (and page-table width) compiles once, on first use.
         """
         if not is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: the steps a call, an integer >= 1")
@@ -222,8 +248,9 @@ class Batch:
         for s in running:
             left_B[s.slot] = s.limit
         ends_V = np.zeros(self.cfg.vocab_size, bool)              # where a stretch ends
-        ends_V[[t for t in self.stop_tokens | self.pause_tokens if 0 <= t < self.cfg.vocab_size]] = True
-        later, tokens_NxB = self.runner.decode_n(self.state, left_B, ends_V, n, self.temperature, self.top_k)
+        ends_V[[t for t in self.stop_tokens | self.pause_tokens if 0 <= t < len(ends_V)]] = True
+        later, tokens_NxB = self.runner.decode_n(self.state, left_B, ends_V, n, self.temperature,
+                                                 self.top_k)
         self.state.tokens_B[:], self.state.lengths_B[:] = later.tokens_B, later.lengths_B
         out = {seq.id: [int(t) for t in tokens_NxB[:, seq.slot] if t >= 0] for seq in running}
         for seq in running:
@@ -232,8 +259,9 @@ class Batch:
         return out
 
     def warmup(self, masked=False):
-        """Compile every shape the steps can use now (Runner.warmup), so that nothing compiles later.
-        Optional: shapes also compile on first use. masked=True: the step with a token mask too."""
+        """Compile every shape the steps can use now (Runner.warmup), so that nothing compiles
+        later. Optional: shapes also compile on first use. masked=True: the step with a
+        token mask too."""
         self.runner.warmup(self.temperature, self.top_k, masked)
 
     @property
@@ -244,17 +272,21 @@ class Batch:
     # ------------------------------------------------------------ a step, in order
 
     def _start(self):
-        """Admit what can be, prefill it, seat it -> the running sequences (none: raise Stuck, or [])."""
+        """Admit what can be, prefill it, seat it -> the running sequences (none: raise Stuck,
+        or [])."""
         admitted, short_of_pages = self._admit()
-        running = [self.seqs[i] for i in self._in_slot if i is not None and self.seqs[i].status is Status.RUNNING]
+        running = [self.seqs[i] for i in self._in_slot
+                   if i is not None and self.seqs[i].status is Status.RUNNING]
         if not running:
-            # Nothing can move until the caller finishes (or sends to) something: say so rather than spin.
+            # Nothing can move until the caller finishes (or sends to) something: say so rather
+            # than spin.
             if short_of_pages:
-                raise Stuck(f"sequences {short_of_pages} wait for pages, {self.pool.n_free} are free and "
-                            f"nothing is running to free more: finish some paused or stopped sequences")
+                raise Stuck(f"sequences {short_of_pages} wait for pages, {self.pool.n_free} are "
+                            f"free and nothing is running to free more: finish some paused or "
+                            f"stopped sequences")
             if self._queue:
-                raise Stuck(f"sequences {self._queue} wait for a slot and every slot holds a paused, "
-                            f"stopped or length-limited sequence: finish some")
+                raise Stuck(f"sequences {self._queue} wait for a slot and every slot holds a "
+                            f"paused, stopped or length-limited sequence: finish some")
             return []
         self._prefill(admitted)
         for seq in admitted:
@@ -262,7 +294,8 @@ class Batch:
         return running
 
     def _admit(self):
-        """Give queued sequences a slot and the pages their stretch can fill -> (admitted, ids short of pages)."""
+        """Give queued sequences a slot and the pages their stretch can fill -> (admitted, ids
+        short of pages)."""
         admitted, short = [], []
         # Sequences that kept their slot go first, then the others in arrival order.
         for id in sorted(self._queue, key=lambda i: self.seqs[i].slot is None):
@@ -284,13 +317,14 @@ class Batch:
         return admitted, short
 
     def _prefill(self, seqs):
-        """Push pending[:-1] of each sequence: up to prefill_rows rows a device a call, chunks of at most
-        the largest bucket, similar lengths together (less padding)."""
+        """Push pending[:-1] of each sequence: up to prefill_rows rows a device a call, chunks of
+        at most the largest bucket, similar lengths together (less padding)."""
         R, biggest = self.runner.prefill_rows, self.runner.buckets[-1]
         while todo := sorted((s for s in seqs if len(s.pending) > 1), key=lambda s: len(s.pending)):
-            rows = {}                                  # prefill row -> sequence: device d's rows from its own
+            rows = {}                   # prefill row -> sequence: device d's rows from its own
             for d in range(self.runner.n_devices):
-                rows.update(enumerate([s for s in todo if self._device(s.slot) == d][:R], start=d * R))
+                own = [s for s in todo if self._device(s.slot) == d][:R]
+                rows.update(enumerate(own, start=d * R))
             chunks = {b: s.pending[:min(len(s.pending) - 1, biggest)] for b, s in rows.items()}
             self.runner.prefill({b: (chunks[b], s.cached, s.pages) for b, s in rows.items()})
             for b, seq in rows.items():
@@ -298,21 +332,24 @@ class Batch:
                 seq.positions += len(chunks[b])
 
     def _seat(self, seq):
-        """Write the sequence's row of the decode state: pending token, length, seed, pages, pause bit."""
+        """Write the sequence's row of the decode state: pending token, length, seed, pages,
+        pause bit."""
         b, state = seq.slot, self.state
-        state.tokens_B[b], state.lengths_B[b], state.seeds_B[b] = seq.pending[-1], seq.cached, seq.seed
+        state.tokens_B[b], state.lengths_B[b] = seq.pending[-1], seq.cached
+        state.seeds_B[b] = seq.seed
         state.active_B[b] = seq.status is Status.RUNNING
         state.page_table_BxW[b] = NULL_PAGE
         state.page_table_BxW[b, :len(seq.pages)] = seq.pages
 
     def _decode(self, running):
-        allowed_BxV = None                      # no mask: the plain step (a None argument compiles without it)
+        allowed_BxV = None      # no mask: the plain step (a None argument compiles without it)
         if any(s.mask is not None for s in running):
             allowed_BxV = np.ones((self.slots, self.cfg.vocab_size), bool)
             for s in running:
                 if s.mask is not None:
                     allowed_BxV[s.slot] = s.mask(s.tokens[s.stretch:])
-        later, logits_BxV = self.runner.decode(self.state, self.temperature, self.top_k, allowed_BxV)
+        later, logits_BxV = self.runner.decode(self.state, self.temperature, self.top_k,
+                                               allowed_BxV)
         self.state.tokens_B[:] = later.tokens_B       # the one device -> host sync of the step
         self.state.lengths_B[:] = later.lengths_B
         logits_BxV = np.asarray(logits_BxV) if self.keep_logits else None
@@ -325,7 +362,8 @@ class Batch:
         return out
 
     def _took(self, seq, token):
-        """A token the sequence sampled: append it; a pause or stop token, or the limit, ends the stretch."""
+        """A token the sequence sampled: append it; a pause or stop token, or the limit, ends
+        the stretch."""
         seq.positions += 1
         seq.tokens.append(token)
         seq.pending = [token]
@@ -338,7 +376,8 @@ class Batch:
             self._end_stretch(seq, Status.LENGTH)
 
     def _end_stretch(self, seq, status):
-        """Keep the slot and the pages holding positions; give back the reserved pages left empty."""
+        """Keep the slot and the pages holding positions; give back the reserved pages that
+        were left empty."""
         seq.status = status
         self.state.active_B[seq.slot] = False
         self._release(seq, keep=pages_for(seq.cached, self.page_size))
@@ -349,8 +388,8 @@ class Batch:
         return slot * self.runner.n_devices // self.slots
 
     def _free_slot(self, seq):
-        """A free slot for a sequence that has none: on the device of its pages if it kept some (parked),
-        else on the device with the most free pages; None if there is no such slot."""
+        """A free slot for a sequence that has none: on the device of its pages if it kept some
+        (parked), else on the device with the most free pages; None if there is no such slot."""
         free = [b for b, i in enumerate(self._in_slot) if i is None]
         if seq.pages:
             free = [b for b in free if self._device(b) == self.pool.device_of(seq.pages[0])]
@@ -374,8 +413,10 @@ class Batch:
         if not tokens:
             raise ValueError("no tokens: a sequence needs at least one token to predict from")
         bad = [t for t in tokens if not is_int(t) or not 0 <= t < self.cfg.vocab_size]
-        if bad:   # 7.9 would be stored as it is but pushed as 7; an id out of range, clamped silently
-            raise ValueError(f"token ids {bad[:5]} are not integers in the vocabulary [0, {self.cfg.vocab_size})")
+        # 7.9 would be stored as it is but pushed as 7; an id out of range, clamped silently
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are not integers in the vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
         if not is_int(limit) or limit < 1:
             raise ValueError(f"limit={limit!r}: a stretch must allow at least one token")
         why = self._too_long(len(tokens), limit)
@@ -386,9 +427,10 @@ class Batch:
     def _too_long(self, n, limit):
         """Why n tokens + limit do not fit the cache, or None when they do."""
         if n + limit > self.max_len:
-            return f"{n} tokens + limit {limit} > max_len {self.max_len}: prompt longer than the cache"
+            return (f"{n} tokens + limit {limit} > max_len {self.max_len}: prompt longer than "
+                    f"the cache")
         need = pages_for(n + limit - 1, self.page_size)
         if need > self.pool.n_pages - 1:
-            return f"{n} tokens + limit {limit} need {need} pages but the cache has {self.pool.n_pages - 1}: " \
-                   "prompt longer than the cache"
+            return (f"{n} tokens + limit {limit} need {need} pages but the cache has "
+                    f"{self.pool.n_pages - 1}: prompt longer than the cache")
         return None

@@ -16,10 +16,12 @@ pages into one array and masks what the row does not hold (`gather_pages`, the
 reference), "pallas" runs JAX's paged-attention kernel, which loads only the row's
 own pages (`paged_attention`; one new token a row).
 
-Shapes are fixed by (B, T, W, the cache): after the first call of each shape nothing
-recompiles. A row with n_new == 0, and every padding position, writes its K/V to the
-null page only: a paused sequence's pages stay bit-identical while the others step
-(docs/engine.md, "The pause mask"). Shape letters: the legend in model.py.
+Shapes are fixed by (B, T, the page-table width W, the cache): after the first
+call of each shape nothing recompiles, whatever the sequences' lengths. A row
+with n_new == 0, and every padding position t >= n_new, writes its K/V to the
+null page and nowhere else: a paused sequence's pages stay bit-identical while
+the others step (docs/engine.md, "The pause mask"). Shape letters: the legend in
+model.py.
 """
 
 import collections
@@ -43,9 +45,11 @@ TRACES = collections.Counter()
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """What the decode step reads of each of the B slots, and returns one token later. A free, paused
-    or finished slot has active False: it pushes nothing; its pending token and length stay."""
-    tokens_B: jax.Array         # int32 [B]     the pending token: pushed this step, at position lengths_B
+    """What the decode step reads of each of the B slots, and returns one token later. A
+    free, paused or finished slot has active False: it pushes nothing; its pending token and
+    length stay."""
+    tokens_B: jax.Array         # int32 [B]     the pending token: pushed this step, at position
+    #                                           lengths_B
     lengths_B: jax.Array        # int32 [B]     positions already in the cache
     active_B: jax.Array         # bool  [B]     the pause mask: True for the slots that advance
     seeds_B: jax.Array          # int32 [B]     each sequence's sampling stream
@@ -55,7 +59,8 @@ class Slots:
     def idle(cls, B, W):
         """B slots on the host, none active, every page-table entry the null page."""
         zeros_B = np.zeros(B, np.int32)
-        return cls(zeros_B, zeros_B.copy(), np.zeros(B, bool), zeros_B.copy(), np.zeros((B, W), np.int32))
+        return cls(zeros_B, zeros_B.copy(), np.zeros(B, bool), zeros_B.copy(),
+                   np.zeros((B, W), np.int32))
 
 
 def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, attention="gather"):
@@ -72,14 +77,16 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     W = page_table_BxW.shape[1]
     K, _, Z, H = cache["k"].shape[1:]
     if attention not in ("gather", "pallas") or (attention == "pallas" and T != 1):
-        raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', or 'pallas' for one")
+        raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', "
+                         f"or 'pallas' for one")
     S = W * Z                     # key positions: every position of the row's gathered pages
 
     positions_BxT = start_B[:, None] + jnp.arange(T)
     is_new_BxT = jnp.arange(T) < n_new_B[:, None]
     # Where each new token's K/V goes: page table[p // Z], offset p % Z; padding -> null page.
     # (The clip only matters for padding positions past the table, which go to page 0 anyway.)
-    table_page_BxT = jnp.take_along_axis(page_table_BxW, jnp.minimum(positions_BxT // Z, W - 1), axis=1)
+    column_BxT = jnp.minimum(positions_BxT // Z, W - 1)
+    table_page_BxT = jnp.take_along_axis(page_table_BxW, column_BxT, axis=1)
     page_BxT = jnp.where(is_new_BxT, table_page_BxT, NULL_PAGE)
     offset_BxT = positions_BxT % Z
 
@@ -97,15 +104,18 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
         x_BxTxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
         lp, l = lp_and_l
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = model.qkv(lp, cfg, x_BxTxD, positions_BxT)
-        # Write first, then read the row's pages back: the chunk attends to itself through the cache.
-        # The cache is carried from layer to layer, so XLA updates it in place (no per-layer copies).
-        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is [B, T, K, H].)
+        # Write first, then read the row's pages back: the chunk attends to itself through the
+        # cache. The cache is carried from layer to layer, so XLA updates it in place (no
+        # per-layer copies). `at`: layer l, every kv head, each new token's page and offset.
+        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is
+        # [B, T, K, H].)
         # A non-finite key or value is written as 0: a row that overflows keeps its NaN in its own
         # logits (the residual stream carries it), and no other row can read it from a page it gets
         # later, nor from the null page; Pallas attention relies on that (paged_attention).
         k_BxTxKxH, v_BxTxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_BxTxKxH, v_BxTxKxH))
-        k_LxKxPxZxH = k_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
-        v_LxKxPxZxH = v_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
+        at = (l, slice(None), page_BxT, offset_BxT)
+        k_LxKxPxZxH = k_LxKxPxZxH.at[at].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
+        v_LxKxPxZxH = v_LxKxPxZxH.at[at].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
         if attention == "pallas":
             attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
                                           page_table_BxW, length_B)[:, None]
@@ -114,11 +124,12 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
             values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], page_table_BxW)
             values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
             attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
-        attn_BxTxNH = attn_BxTxNH.reshape(B, T, -1).astype(x_BxTxD.dtype)   # the cache's dtype may be wider
+        # back to the residual stream's dtype (the cache's may be wider)
+        attn_BxTxNH = attn_BxTxNH.reshape(B, T, -1).astype(x_BxTxD.dtype)
         return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
 
     carry = (model.embed(params, tokens_BxT), cache["k"], cache["v"])
-    if isinstance(params["layers"], list):     # runner.unstack_layers: one layer after another, in place
+    if isinstance(params["layers"], list):     # runner.unstack_layers: layer by layer, in place
         for l, lp in enumerate(params["layers"]):
             carry, _ = layer(carry, (lp, l))
     else:                                       # stacked [L, ...] weights: a scan over the layers
@@ -148,8 +159,9 @@ def check_pallas(page_size, head_dim):
     first table width) loads one page at a time, so page_size itself must be 16 or more. Checked on
     every backend: interpret mode would run a shape that a GPU then refuses to compile."""
     if page_size < MIN_DOT or head_dim < MIN_DOT:
-        raise ValueError(f"Pallas attention needs page_size >= {MIN_DOT} and head_dim >= {MIN_DOT} (Triton's "
-                         f"dot), not {page_size} and {head_dim}: use a larger page size, or attention='gather'")
+        raise ValueError(f"Pallas attention needs page_size >= {MIN_DOT} and head_dim >= {MIN_DOT} "
+                         f"(Triton's dot), not {page_size} and {head_dim}: use a larger page "
+                         f"size, or attention='gather'")
 
 
 def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length_B):
@@ -174,22 +186,25 @@ def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length
     B, N, _ = q_BxNxH.shape
     W = page_table_BxW.shape[1]
     check_pallas(Z, H)
-    splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)            # parts of a row read in parallel
-    block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)    # pages loaded at a time
-    q_BxNxH = (q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)).astype(k_LxKxPxZxH.dtype)
-    first_K = (l * K + jnp.arange(K)) * P                                # each kv head's first page, layer l
+    splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)         # parts of a row, in parallel
+    block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)  # pages loaded at a time
+    q_BxNxH = q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+    q_BxNxH = q_BxNxH.astype(k_LxKxPxZxH.dtype)
+    first_K = (l * K + jnp.arange(K)) * P      # each kv head's first page, layer l
     table_BKxW = (first_K[None, :, None] + page_table_BxW[:, None, :]).reshape(B * K, W)
     out_BKxGxH = pallas_ops.paged_attention(
         q_BxNxH.reshape(B * K, N // K, H), k_LxKxPxZxH.reshape(1, L * K * P, Z, H),
         v_LxKxPxZxH.reshape(1, L * K * P, Z, H), table_BKxW,
         jnp.repeat(jnp.maximum(length_B, 1), K).astype(jnp.int32),
-        block_h=16, pages_per_compute_block=block, k_splits=splits, interpret=jax.default_backend() != "gpu")
+        block_h=16, pages_per_compute_block=block, k_splits=splits,
+        interpret=jax.default_backend() != "gpu")
     return out_BKxGxH.reshape(B, N, H)
 
 
 def check_sampling(temperature, top_k):
-    """Raise ValueError unless temperature >= 0 (0: greedy) and top_k is an integer >= 0 (0: all tokens).
-    A negative temperature would invert the odds; an infinite one is no distribution."""
+    """Raise ValueError unless temperature >= 0 (0: greedy) and top_k is an integer >= 0
+    (0: all tokens). A negative temperature would invert the odds; an infinite one is
+    no distribution."""
     if not (isinstance(temperature, numbers.Real) and 0 <= temperature < float("inf")):
         raise ValueError(f"temperature={temperature!r}: a number >= 0 (0 is greedy)")
     if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 0):
@@ -197,7 +212,8 @@ def check_sampling(temperature, top_k):
 
 
 def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
-    """One token per row: argmax if temperature == 0, else softmax(logits / temperature) over the top_k.
+    """One token per row: argmax if temperature == 0, else a draw from softmax(logits /
+    temperature) over the top_k.
 
     Row b draws with key fold_in(fold_in(PRNGKey(0), seeds_B[b]), positions_B[b]):
     a sequence's draws depend on its own seed and position only, not on its
@@ -211,8 +227,8 @@ def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
     if top_k:
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
         logits_BxV = jnp.where(logits_BxV >= kth_Bx1, logits_BxV, -jnp.inf)
-    root = jax.random.PRNGKey(0)
-    keys_B = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(root, s), p))(seeds_B, positions_B)
+    root, fold = jax.random.PRNGKey(0), jax.random.fold_in
+    keys_B = jax.vmap(lambda s, p: fold(fold(root, s), p))(seeds_B, positions_B)
     return jax.vmap(jax.random.categorical)(keys_B, logits_BxV).astype(jnp.int32)
 
 
@@ -227,7 +243,8 @@ def mask_logits(logits_BxV, allowed_BxV):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
-    """extend over B rows of T tokens -> the updated cache (the logits are not needed: XLA drops them)."""
+    """extend over B rows of T tokens -> the updated cache (the logits are not needed:
+    XLA drops them)."""
     TRACES["prefill", tokens_BxT.shape, page_table_BxW.shape] += 1
     _, cache = extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
     return cache
@@ -235,8 +252,10 @@ def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_Bx
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),
                    donate_argnames=("cache",))
-def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None, attention="gather"):
-    """Push each active slot's pending token and sample the next -> (slots one token later, logits_BxV, cache).
+def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None,
+                attention="gather"):
+    """Push each active slot's pending token and sample the next -> (slots one token later,
+    logits_BxV, cache).
 
     In the returned Slots an active slot's pending token is the one just sampled,
     at position lengths_B + 1; the other slots are as they were. allowed_BxV
@@ -246,8 +265,8 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     """
     TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None] += 1
     n_new_B = slots.active_B.astype(jnp.int32)
-    logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B, n_new_B,
-                               slots.page_table_BxW, attention)
+    logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B,
+                               n_new_B, slots.page_table_BxW, attention)
     masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
     next_B = sample(masked_BxV, slots.seeds_B, slots.lengths_B + 1, temperature, top_k)
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),
@@ -257,7 +276,8 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),
                    donate_argnames=("cache",))
-def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0, attention="gather"):
+def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0,
+                 attention="gather"):
     """n decode steps in one call, no trip to the host between them -> (slots, tokens_NxB, cache).
 
     A slot's pause bit goes off once it samples an end token (ends_V: bool [V], the stop and
@@ -270,7 +290,8 @@ def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, 
     def one(carry, _):
         slots, left_B, cache = carry
         went_B = slots.active_B
-        later, _, cache = decode_step(params, cfg, cache, slots, temperature, top_k, None, attention)
+        later, _, cache = decode_step(params, cfg, cache, slots, temperature, top_k, None,
+                                      attention)
         left_B = left_B - went_B
         ended_B = ends_V[later.tokens_B] | (left_B <= 0)
         later = dataclasses.replace(later, active_B=went_B & ~ended_B)

@@ -27,7 +27,8 @@ def data_mesh(devices=None):
 def automatic(mesh):
     """The same devices and axes with XLA choosing how intermediate values are split ("auto" axes).
 
-    jax.make_mesh gives "explicit" axes, where every operation must say how its result is split: the
-    model's embedding lookup cannot. minagent's steps leave it to XLA, so a mesh is taken as automatic.
+    jax.make_mesh gives "explicit" axes, where every operation must say how its result is split:
+    the model's embedding lookup, written for one device, cannot. minagent's steps say nothing
+    and leave it to XLA, as on one device, so a mesh is taken as an automatic one.
     """
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names)

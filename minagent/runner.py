@@ -1,5 +1,6 @@
-"""The device side of a Batch: the weights and the KV cache where the steps read them, the jitted steps
-(on one device or over a mesh), the shapes they compile for, and the count of compilations.
+"""The device side of a Batch: the weights and the KV cache where the steps read them, the
+jitted steps (on one device or over a mesh), the shapes they compile for, and the count of
+compilations.
 
 The Batch (batch.py) decides which sequences run and which tokens go where; the Runner
 turns those decisions into fixed-shape arrays and runs decode.py's steps on them:
@@ -54,14 +55,16 @@ class RunnerConfig:
 
 
 def unstack_layers(params):
-    """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params with
-    "layers" a list of L per-layer dicts. The Runner does this once on CPU; extend accepts both layouts.
+    """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params
+    with "layers" a list of L per-layer dicts. The Runner does this once on CPU; extend accepts
+    both layouts.
 
-    Why: a scan slices layer l's matrices out of the [L, ...] arrays at every step, on CPU a
-    copy; separate arrays are read where they lie (SmolLM2 on 2 CPU cores: the step at batch
-    1 takes about two thirds of the scan's time). The price: a deep model compiles more
-    slowly (about ten times longer), and each call passes 9 arrays a layer, a dispatch cost a
-    GPU would feel, so there the weights stay stacked.
+    Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at
+    every step, and on CPU that slice is a copy. Separate arrays are read where they lie
+    (SmolLM2 on 2 CPU cores: the step at batch 1 takes about two thirds of the scan's time).
+    The price: the step is traced layer by layer, so a deep model compiles more slowly (about
+    ten times longer), and every call passes 9 arrays a layer (SmolLM2: 270), whose dispatch a
+    fast GPU step would feel; so off a CPU the weights stay stacked (RunnerConfig.per_layer).
     """
     layers = params["layers"]
     if isinstance(layers, list):
@@ -71,15 +74,16 @@ def unstack_layers(params):
 
 
 class Runner:
-    """decode.py's steps over one KV cache of n_pages x page_size (on each device), for `slots` rows."""
+    """decode.py's steps for `slots` rows over one KV cache of n_pages x page_size (on
+    each device)."""
 
     def __init__(self, params, cfg, config, *, slots, n_pages, page_size, max_len):
         rc = config
-        if not rc.buckets or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1
-                                     for b in rc.buckets):
+        def integer(x):                                 # Python's or numpy's, not a bool
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+        if not rc.buckets or not all(integer(b) and b >= 1 for b in rc.buckets):
             raise ValueError(f"buckets={rc.buckets!r}: prefill lengths, integers >= 1")
-        if not isinstance(rc.prefill_rows, numbers.Integral) or isinstance(rc.prefill_rows, bool) \
-                or rc.prefill_rows < 1:
+        if not integer(rc.prefill_rows) or rc.prefill_rows < 1:
             raise ValueError(f"prefill_rows={rc.prefill_rows!r}: an integer >= 1")
         if rc.attention not in ("gather", "pallas"):
             raise ValueError(f"attention={rc.attention!r}: 'gather' or 'pallas'")
@@ -94,31 +98,36 @@ class Runner:
             params = unstack_layers(params)
         cache_dtype = rc.cache_dtype or (cfg.dtype if jax.default_backend() == "gpu" else "float32")
         self.params, self.cfg, self.attention = params, cfg, rc.attention
-        self.kv = init_cache(cfg, n_pages * D, page_size, cache_dtype)   # {"k", "v"}: [L, K, P, Z, H]
+        self.kv = init_cache(cfg, n_pages * D, page_size, cache_dtype)   # k, v: [L, K, P, Z, H]
         if self.mesh is not None:                  # device d holds pages d * P ... (d + 1) * P - 1
             self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(self.mesh, PAGES))
             self.params = jax.device_put(self.params, jax.sharding.NamedSharding(self.mesh, WHOLE))
         self.slots, self.page_size = slots, page_size
-        self.prefill_rows = min(rc.prefill_rows, slots // D)      # more rows than slots would all be padding
-        self.buckets = sorted({min(b, max_len) for b in rc.buckets})  # no chunk is longer than max_len
+        # More prefill rows than slots would all be padding; no chunk is longer than max_len.
+        self.prefill_rows = min(rc.prefill_rows, slots // D)
+        self.buckets = sorted({min(b, max_len) for b in rc.buckets})
         W = pages_for(max_len, page_size)
         self.widths = sorted({min(2 ** i, W) for i in range(W.bit_length() + 1)})
         self.compiles = 0                          # traces of the jitted steps this runner caused
 
     def width(self, n_positions):
-        """Page-table columns a step gets for rows of up to n positions: pages_for(n), rounded up."""
+        """Page-table columns a step gets for rows of up to n positions: pages_for(n), rounded
+        up to a width."""
         need = pages_for(n_positions, self.page_size)
         return next(w for w in self.widths if w >= need)
 
     def prefill(self, rows):
-        """Push rows of new tokens into their pages, in one call: rows {b: (tokens, start, pages)}, b a
-        prefill row (device d's rows: d * prefill_rows ...), the tokens at positions start, start + 1, ...
-        At most the largest bucket of tokens a row; the row's pages must hold them."""
+        """Push rows of new tokens into their pages, in one call: rows {b: (tokens, start, pages)},
+        b a prefill row (device d's rows: d * prefill_rows ...), the tokens at positions start,
+        start + 1, ... At most the largest bucket of tokens a row; the row's pages must
+        hold them."""
         n_rows = self.prefill_rows * self.n_devices
         T = next(t for t in self.buckets if t >= max(len(tokens) for tokens, _, _ in rows.values()))
         W = self.width(max(start + len(tokens) for tokens, start, _ in rows.values()))
-        tokens_BxT, table_BxW = np.zeros((n_rows, T), np.int32), np.full((n_rows, W), NULL_PAGE, np.int32)
-        start_B, n_new_B = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)   # padding rows: n_new 0
+        tokens_BxT = np.zeros((n_rows, T), np.int32)
+        table_BxW = np.full((n_rows, W), NULL_PAGE, np.int32)
+        # padding rows: n_new 0
+        start_B, n_new_B = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
         for b, (tokens, start, pages) in rows.items():
             tokens_BxT[b, :len(tokens)] = tokens
             start_B[b], n_new_B[b] = start, len(tokens)
@@ -126,42 +135,49 @@ class Runner:
         self.kv = self._run(decode.prefill_step, tokens_BxT, start_B, n_new_B, table_BxW)
 
     def decode(self, slots, temperature=0.0, top_k=0, allowed_BxV=None):
-        """One decode step for every active slot -> (the Slots one token later, logits_BxV on the device)."""
-        W = self.width(int(slots.lengths_B[slots.active_B].max(initial=0)) + 1)   # the pending token's too
+        """One decode step for every active slot -> (the Slots one token later, logits_BxV
+        on the device)."""
+        # + 1: the pending token's position is written too
+        W = self.width(int(slots.lengths_B[slots.active_B].max(initial=0)) + 1)
         narrow = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW[:, :W])
-        later, logits_BxV, self.kv = self._run(decode.decode_step, narrow, temperature, top_k, allowed_BxV,
-                                               self.attention)
+        later, logits_BxV, self.kv = self._run(decode.decode_step, narrow, temperature, top_k,
+                                               allowed_BxV, self.attention)
         return later, logits_BxV
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
-        """n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB on the host)."""
+        """n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB
+        on the host)."""
         reach_B = slots.lengths_B + np.minimum(n, left_B)
         W = self.width(int(reach_B[slots.active_B].max(initial=0)))
         narrow = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW[:, :W])
-        later, tokens_NxB, self.kv = self._run(decode.decode_steps, narrow, left_B, ends_V, n, temperature, top_k,
-                                               self.attention)
+        later, tokens_NxB, self.kv = self._run(decode.decode_steps, narrow, left_B, ends_V, n,
+                                               temperature, top_k, self.attention)
         return later, np.asarray(tokens_NxB)
 
     def warmup(self, temperature=0.0, top_k=0, masked=False):
-        """Compile every shape the steps can use (prefill: bucket x width; decode: width) on idle rows.
+        """Compile every shape the steps can use (prefill: bucket x width; decode: width) on
+        idle rows.
 
         Idle rows (n_new = 0, active False) write only to the null page, so this changes no
         sequence. masked=True also compiles the decode step with a token mask.
         """
-        n_rows = self.prefill_rows * self.n_devices
+        n_rows, B, V = self.prefill_rows * self.n_devices, self.slots, self.cfg.vocab_size
         for shorter, T in zip([0] + self.buckets, self.buckets):
             for W in self.widths:
-                if W >= self.width(shorter + 1):      # a chunk gets bucket T only if longer than `shorter`
+                # a chunk gets bucket T only if it is longer than `shorter`
+                if W >= self.width(shorter + 1):
                     zeros_B = np.zeros(n_rows, np.int32)
-                    self.kv = self._run(decode.prefill_step, np.zeros((n_rows, T), np.int32), zeros_B, zeros_B,
-                                        np.zeros((n_rows, W), np.int32))
+                    self.kv = self._run(decode.prefill_step, np.zeros((n_rows, T), np.int32),
+                                        zeros_B, zeros_B, np.zeros((n_rows, W), np.int32))
         for W in self.widths:
-            idle = decode.Slots.idle(self.slots, W)
-            for allowed in [None] + ([np.ones((self.slots, self.cfg.vocab_size), bool)] if masked else []):
-                _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k, allowed, self.attention)
+            idle = decode.Slots.idle(B, W)
+            for allowed in [None] + ([np.ones((B, V), bool)] if masked else []):
+                _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k, allowed,
+                                          self.attention)
 
     def _run(self, step, *args):
-        """Call a step of decode.py on this runner's weights and cache (over the mesh if there is one)."""
+        """Call a step of decode.py on this runner's weights and cache (over the mesh if there
+        is one)."""
         before = sum(decode.TRACES.values())
         if self.mesh is None:
             out = step(self.params, self.cfg, self.kv, *args)
@@ -177,12 +193,15 @@ class Runner:
 
 @functools.partial(jax.jit, static_argnames=("mesh", "cfg"), donate_argnames=("cache",))
 def prefill_step_on(mesh, params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
-    """decode.prefill_step with rows and pages split over `mesh`: device d takes rows d * B / D ..."""
+    """decode.prefill_step with rows and pages split over `mesh`: device d takes rows
+    d * B / D ... (d + 1) * B / D - 1."""
     def part(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
         P = cache["k"].shape[2]
-        return decode.prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW % P)
+        return decode.prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B,
+                                   page_table_BxW % P)
     return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, ROWS, ROWS),
-                         out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
+                         out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B,
+                                          page_table_BxW)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "cfg", "temperature", "top_k", "attention"),
@@ -200,8 +219,8 @@ def decode_step_on(mesh, params, cfg, cache, slots, temperature=0.0, top_k=0, al
                          out_specs=(ROWS, ROWS, PAGES))(params, cache, slots, allowed_BxV)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "cfg", "n", "temperature", "top_k", "attention"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, donate_argnames=("cache",),
+                   static_argnames=("mesh", "cfg", "n", "temperature", "top_k", "attention"))
 def decode_steps_on(mesh, params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0,
                     attention="gather"):
     """decode.decode_steps with slots and pages split over `mesh` (tokens_NxB: split along B)."""

@@ -64,6 +64,16 @@ def test_the_engine_stays_small_enough_to_read():
     assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1000
 
 
+def test_no_engine_line_is_over_100_characters():
+    """Every line of the engine, code and prose, the front door (__main__.py) too, is at most 100
+    characters long."""
+    files = ENGINE + [ROOT / "minagent" / "__main__.py"]
+    assert len(files) >= 13
+    long = [f"{p.relative_to(ROOT)}:{i} ({len(line)} characters)" for p in files
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 100]
+    assert not long, "lines over 100 characters:\n" + "\n".join(long)
+
+
 def test_imported_modules_reads_every_form():
     here = imported_modules(ROOT / "minagent" / "tasks" / "context" / "fit.py")
     assert "minagent.agent" in here and "minagent.chat.Message" in here
