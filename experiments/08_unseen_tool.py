@@ -1,6 +1,6 @@
 """08: a model that reads its tools. Does it call a tool it was never trained on, from its description alone?
 
-First run (commit 6a342d0, docs/DESIGN.md): SmolLM2 + LoRA trained on traces that always listed the
+First run (commit 6a342d0, experiments/LOG.md): SmolLM2 + LoRA trained on traces that always listed the
 same four tools called `add 84 45` for "Multiply 84 by 45." 200 of 200 times, `mul` described or not.
 One fixed list teaches "arithmetic means add", not "read the list". Here the training traces vary
 their tool lists (minagent/tasks/toolpool.py): each episode lists 2 to 6 of about thirty tools in
