@@ -23,6 +23,7 @@ import numpy as np
 
 from minagent import decode, weights
 from minagent.cache import init_cache
+from minagent.runner import unstack_layers
 
 
 def main():
@@ -41,7 +42,7 @@ def main():
     slots = dataclasses.replace(decode.Slots.idle(B, W), active_B=np.ones(B, bool),
                                 page_table_BxW=np.arange(1, B * W + 1, dtype=np.int32).reshape(B, W))
 
-    layouts = {"scan": stacked, "loop": decode.unstack_layers(stacked)}
+    layouts = {"scan": stacked, "loop": unstack_layers(stacked)}
     steps, caches, res = {}, {}, {}
     for name, params in layouts.items():
         jax.clear_caches()

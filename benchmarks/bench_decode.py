@@ -62,6 +62,7 @@ import numpy as np  # noqa: E402
 
 from minagent import chat, decode, int8, model, tokenfile, weights  # noqa: E402
 from minagent.batch import Batch  # noqa: E402
+from minagent.runner import RunnerConfig  # noqa: E402
 from minagent.cache import pages_for  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "decode.json"
@@ -92,7 +93,7 @@ def to_bfloat16(params):
 def minagent_run(params, cfg, prompt, B, new, cache_dtype="float32"):
     """B copies of `prompt`, `new` greedy tokens each, the KV cache in `cache_dtype`."""
     batch = Batch(params, cfg, slots=B, n_pages=1 + B * pages_for(len(prompt) + new, 16), page_size=16,
-                  cache_dtype=cache_dtype)
+                  runner=RunnerConfig(cache_dtype=cache_dtype))
     t0 = time.perf_counter()
     ids = [batch.add(prompt, new) for _ in range(B)]
     stamps = []

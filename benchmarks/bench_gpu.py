@@ -8,7 +8,7 @@ the other way too (on a GPU a list, one layer after another); each decode row al
 compiled step (fusions and custom calls, a loop body's once). A step's floor is the larger of its bytes
 over the memory bandwidth (the weights once, plus each row's keys and values) and its FLOPs over the matmul
 peak, both measured in the same run (a large copy; a large matmul in the step's dtype). Steps per
-call: 16 decode steps as 16 calls read back by the host, or as one call of devices.decode_steps.
+call: 16 decode steps as 16 calls read back by the host, or as one call of decode.decode_steps.
 Training: train.make_train_step, tokens/s and MFU against the peak. Decode rows print time, floor
 and their ratio (1.0 is the roofline). Largest shapes first; a row that fails is recorded with its
 error and the rest still run.
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minagent import decode, devices, model
+from minagent import decode, model
+from minagent.runner import unstack_layers
 from minagent import train as tr
 from minagent.cache import init_cache, pages_for
 
@@ -113,8 +114,8 @@ def steps_row(cfg, params, B, context, n, repeats):
             slots, _, state["cache"] = decode.decode_step(params, cfg, state["cache"], slots)
             np.asarray(slots.tokens_B)                     # the host reads each token
     def all_at_once():
-        _, tokens, state["cache"] = devices.decode_steps(params, cfg, state["cache"], start, np.full(B, n, np.int32),
-                                                         np.zeros(cfg.vocab_size, bool), n)
+        _, tokens, state["cache"] = decode.decode_steps(params, cfg, state["cache"], start, np.full(B, n, np.int32),
+                                                        np.zeros(cfg.vocab_size, bool), n)
         np.asarray(tokens)
     single, many = timed(one_at_a_time, repeats) / n, timed(all_at_once, repeats) / n
     return dict(kind="steps", dtype=cfg.dtype, batch=B, context=context, n=n, ms_one_a_call=1e3 * single,
@@ -146,7 +147,7 @@ def train_row(cfg, params, batch_size, seq_len, peak, repeats):
 def layout(params, other=False):
     """The layers as the Batch holds them: a list of per-layer arrays on CPU, stacked (a scan) elsewhere;
     other=True: the other way (the rows that compare the two)."""
-    return decode.unstack_layers(params) if (jax.default_backend() == "cpu") != other else params
+    return unstack_layers(params) if (jax.default_backend() == "cpu") != other else params
 
 
 def main():

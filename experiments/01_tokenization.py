@@ -2,7 +2,7 @@
 
 A BPE learned on prose splits 4821 into pieces that do not follow the digits, so adding digit by
 digit is out of reach; but the call `add 4821 3907` splits its numbers into the same pieces, in the
-same order, as the question does: writing the call is copying (docs/DESIGN.md). Shown for minagent's
+same order, as the question does: writing the call is copying (docs/engine.md, "The call and result tokens"). Shown for minagent's
 BPE (8192 pieces on the WordNet glosses) and SmolLM2's (read from its GGUF file). Then, for context
 budgets (minagent/tasks/context/counting.py): the token counts of four samples (tests/data/scripts/:
 English, Russian, Chinese, Japanese) by each tokenizer and by a BPE of 32,768 pieces learned on the
@@ -37,7 +37,7 @@ TINY = ("a domesticated carnivorous mammal that typically has a long snout; the 
 
 
 def show(tok, text):
-    """Pieces as docs/DESIGN.md writes them: ' · ' between, a word's leading space dropped, a lone space as ␣."""
+    """Pieces as docs/engine.md writes them: ' · ' between, a word's leading space dropped, a lone space as ␣."""
     return " · ".join(tok.decode([i]).strip() or "␣" for i in tok.encode(text))
 
 

@@ -1,7 +1,7 @@
 """02: SmolLM2-135M-Instruct in the agent loop, before any training.
 
 The pretrained model gets two new tokens, <|call|> and <|result|>, whose embedding rows are the mean
-of the table's rows (docs/DESIGN.md). Measured, greedy, in the ChatML format: (1) the calls it makes
+of the table's rows (docs/engine.md, "The call and result tokens"). Measured, greedy, in the ChatML format: (1) the calls it makes
 on missions of every family (test phrasings), with a stretch budget of 128 tokens since it explains
 before it answers (an answer cut off by the budget is shown with "..."); (2) its answers to a few
 arithmetic and lookup questions; (3) nats per byte on held-out English (WordNet glosses, each one

@@ -1,7 +1,7 @@
 """04: error recovery and an unseen tool, measured on the small tool-using model of experiments/03.
 
 A malformed call does not crash an episode: the tool answers a short `error: ...` that the model
-reads like any result (docs/DESIGN.md). On fresh missions, in the training phrasings and in held-out
+reads like any result (docs/engine.md, "The agent loop"). On fresh missions, in the training phrasings and in held-out
 ones, this counts: (1) transient failures: with Toolbox(fail_first=True) the first call answers
 "error: tool busy, try again"; does the model call again, and still answer right? (2) malformed
 calls: the program writes a question, a malformed call and its error; does the model go on with a

@@ -1,7 +1,7 @@
 """05: what the KV cache saves, counted by the engine itself.
 
 Without a cache each resume re-reads the whole episode from the start, so the positions pushed
-through the model grow as the square of the number of calls (docs/DESIGN.md). The missions: chains
+through the model grow as the square of the number of calls (docs/engine.md, "What the cache saves"). The missions: chains
 of additions with exactly k calls, k = 1..8 ("Add up 12, 7 and 30.": add 12 7, then add 19 30). A
 small model (3 layers, d_model 128) trained from scratch on such chains runs new ones through the
 agent loop with and without the cache. Greedy, so both write the same tokens (checked), and the
@@ -29,7 +29,7 @@ from minagent.tasks.calculator import demo
 from minagent.tools import Toolbox
 
 FMT = chat.MINAGENT
-DESIGN_4_CALLS = (57, 215)   # positions with and without the cache, docs/DESIGN.md's 4-call mission
+DESIGN_4_CALLS = (57, 215)   # positions with and without the cache, the first design document's 4-call mission
 
 
 def chain(k, rng):
@@ -62,7 +62,7 @@ def get_model(args):
     """The chain-trained model -> (params, cfg, tok): cached under its recipe, or trained now."""
     arch = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128) if args.quick else demo.SMALL
     recipe = dict(steps=args.steps, train=args.train, seed=args.seed, ks=args.ks, vocab_size=args.vocab_size,
-                  seq_len=args.seq_len, arch=arch)
+                  seq_len=args.seq_len, arch=arch, lr=args.lr)
 
     def train_fn(path):
         data = chains(args.train // len(args.ks), args.ks, args.seed)
@@ -70,8 +70,8 @@ def get_model(args):
                        pattern=tk.SMOLLM_PATTERN, specials=tk.MINAGENT_SPECIALS)
         cfg = model.Config(vocab_size=tok.n_vocab, **arch)
         exs = [chat.render(t, tok) for *_, t in data]
-        tcfg = train.TrainConfig(steps=args.steps, batch_size=32, seq_len=args.seq_len, lr=3e-3,
-                                 warmup=min(50, args.steps // 5), seed=args.seed, log_every=25)
+        tcfg = train.TrainConfig(steps=args.steps, batch_size=32, seq_len=args.seq_len, lr=args.lr,
+                                 warmup=min(100, args.steps // 5), seed=args.seed, log_every=25)
         params = model.init(jax.random.PRNGKey(args.seed), cfg)
         print(f"training {model.n_params(params):,} parameters on {len(exs)} chains for {args.steps} steps")
         params, _ = train.train(params, cfg, exs, tcfg, progress=not args.quick)
@@ -83,10 +83,10 @@ def get_model(args):
     return c["params"], c["cfg"], c["tokenizer"]
 
 
-def new_batch(params, cfg, tok, cache):
+def new_batch(params, cfg, tok, reuse_cache):
     # max_len: room for 8 stretches of 40 tokens and 8 results, whatever the model writes (an episode
     # that would not fit ends as "max_len"); pages are taken only as the episode grows.
-    return agent.new_batch(params, cfg, tok, FMT, slots=64, max_len=1024, cache=cache)
+    return agent.new_batch(params, cfg, tok, FMT, slots=64, max_len=1024, reuse_cache=reuse_cache)
 
 
 def loop(batch, tok, prompts):
@@ -99,6 +99,7 @@ def main():
     ap.add_argument("--per-k", type=int, default=16, help="test chains for each number of calls")
     ap.add_argument("--train", type=int, default=8000, help="training chains, spread over 1..max-calls calls")
     ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate")
     ap.add_argument("--vocab-size", type=int, default=320)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--timed", type=int, nargs="+", default=[4, 8], help="numbers of calls to time")
@@ -119,8 +120,8 @@ def main():
     result_id = tok.special(FMT.result)
     test = chains(args.per_k, args.ks, args.seed + 1)        # another seed: chains it has not seen
     prompts = [p for _, p, _, _ in test]
-    cached = loop(new_batch(params, cfg, tok, cache=True), tok, prompts)
-    uncached = loop(new_batch(params, cfg, tok, cache=False), tok, prompts)
+    cached = loop(new_batch(params, cfg, tok, reuse_cache=True), tok, prompts)
+    uncached = loop(new_batch(params, cfg, tok, reuse_cache=False), tok, prompts)
     same = all(np.array_equal(a.tokens, b.tokens) for a, b in zip(cached, uncached))
     checked = all((a.positions, b.positions) == by_hand(a.tokens, a.authors, result_id)
                   for a, b in zip(cached, uncached))
@@ -144,7 +145,7 @@ def main():
         gold = f"{r['gold_cache']:>9.1f} {r['gold_no_cache']:>12.1f}" if r["gold_cache"] else f"{'-':>9} {'-':>12}"
         print(f"{r['calls']:>5} {r['episodes']:>8} {r['right']:>5} {r['cache']:>10.1f} {r['no_cache']:>8.1f} "
               f"{r['no_cache'] / r['cache']:>6.2f} {gold}")
-    print(f"(docs/DESIGN.md, 4 calls with its tokens: {DESIGN_4_CALLS[0]} with the cache, "
+    print(f"(the first design document, 4 calls with its tokens: {DESIGN_4_CALLS[0]} with the cache, "
           f"{DESIGN_4_CALLS[1]} without)")
 
     fit = {}

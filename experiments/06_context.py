@@ -1,4 +1,4 @@
-"""06: keeping long agent turns inside the context window (docs/DESIGN.md, "Context").
+"""06: keeping long agent turns inside the context window (docs/applications.md, "Context").
 
 The missions (minagent/tasks/context/reading.py) ask which of chapters A to B of a seeded book mention
 a motif: one `read N` call and a short note per chapter, the answer in the last note; one long turn.

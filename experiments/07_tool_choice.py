@@ -42,6 +42,7 @@ import numpy as np
 import common
 from minagent import chat, lora, model, train, weights
 from minagent import tokenizer as tk
+from minagent.runner import RunnerConfig
 from minagent.tasks.shop import classifier, data, gate, grammar, margin, refund_check
 
 FMT = chat.CHATML
@@ -240,7 +241,7 @@ def a_few(errors, n):
 def decoding(args, constraint=None):
     """grammar.answers' settings for this experiment."""
     limit = args.limit if constraint is None else grammar.max_chars() + 1
-    return dict(slots=args.slots, limit=limit, prefill_rows=8, buckets=(16, 64, 192, 256))
+    return dict(slots=args.slots, limit=limit, runner=RunnerConfig(prefill_rows=8, buckets=(16, 64, 192, 256)))
 
 
 def evaluate(params, cfg, tok, requests, args, constraint=None):

@@ -6,12 +6,17 @@ position p to page `table[p // Z]`, offset `p % Z`:
 
     page_size Z = 4, pages [7, 2]  ->  positions 0-3 in page 7, 4-7 in page 2
 
-Why pages rather than a [B, max_len] slab per slot? A slab reserves max_len positions
-for every slot; pages are handed out as a sequence grows and given back when it ends,
-so short and long sequences share the memory, and the shapes (P, Z, the table width W)
-never change. Page 0 is a null page that no sequence owns: unused table entries point
-to it, writes that must go nowhere land in it, and the decode step masks its garbage
-out. Shape letters: docs/DESIGN.md, "Shape legend".
+Why pages rather than one [B, max_len] slab per slot? A slab reserves max_len
+positions for every slot whatever its length; pages are handed out as a
+sequence grows and given back when it finishes, so short and long sequences
+share the memory. Shapes still never change: P, Z and the table width W are
+fixed, so the jitted steps compile for a few shapes (runner.py), not for every
+length.
+
+Page 0 is a null page that no sequence owns. Unused page-table entries point
+to it, and writes that must go nowhere (padding, paused or free slots) land in
+it. Its contents are garbage by design; the decode step masks them out.
+Shape letters: the legend in model.py.
 """
 
 import jax.numpy as jnp
@@ -20,10 +25,11 @@ NULL_PAGE = 0
 
 
 def init_cache(cfg, n_pages, page_size, dtype=None):
-    """-> {"k": [L, K, P, Z, H], "v": [L, K, P, Z, H]}, zeros in `dtype` (default cfg.dtype). Page 0 is null.
+    """-> {"k": [L, K, P, Z, H], "v": [L, K, P, Z, H]}, zeros in `dtype` (default cfg.dtype).
+    Page 0 is the null page.
 
     The kv heads come before the pages: one head's pages are one block of memory, the layout
-    paged-attention kernels read (devices.paged_attention).
+    paged-attention kernels read (decode.paged_attention).
     """
     if n_pages < 2:
         raise ValueError(f"n_pages={n_pages}: need at least 2 (page 0 is the null page)")
@@ -42,19 +48,21 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    """Host-side free lists with reference counts, for `devices` devices of n_pages pages each.
+    """Host-side free lists, for `n_devices` devices of n_pages pages each.
 
-    A page is free at count 0. `alloc` hands out pages with count 1, `retain` adds an owner
-    (sequences sharing a prefix), `release` drops one and frees the page at 0. Page ids are
-    global: device d holds d * n_pages ... d * n_pages + n_pages - 1, the first its null page
-    (never handed out); on one device, pages 0 to n_pages - 1.
+    `alloc` hands out free pages, `release` gives them back; a page is owned by one sequence at
+    a time. Page ids are global: device d holds pages d * n_pages to d * n_pages + n_pages - 1,
+    the first of them its null page, never handed out. On one device (the usual case) that is
+    pages 0 to n_pages - 1, page 0 null.
     """
 
-    def __init__(self, n_pages, devices=1):
-        self.n_pages, self.devices = n_pages, devices          # n_pages: on each device
-        self.refcount = [0] * (n_pages * devices)
-        # A stack per device: the most recently freed page is reused first (likely still in cache memory).
-        self.free = [list(range(d * n_pages + n_pages - 1, d * n_pages, -1)) for d in range(devices)]
+    def __init__(self, n_pages, n_devices=1):
+        self.n_pages, self.n_devices = n_pages, n_devices          # n_pages: on each device
+        self.owned = [False] * (n_pages * n_devices)
+        # A stack per device: the most recently freed page is reused first (likely still in
+        # cache memory).
+        self.free = [list(range(d * n_pages + n_pages - 1, d * n_pages, -1))
+                     for d in range(n_devices)]
 
     @property
     def n_free(self):
@@ -62,7 +70,7 @@ class PagePool:
 
     @property
     def n_used(self):
-        return self.devices * (self.n_pages - 1) - self.n_free
+        return self.n_devices * (self.n_pages - 1) - self.n_free
 
     def device_of(self, page):
         return page // self.n_pages
@@ -70,23 +78,16 @@ class PagePool:
     def alloc(self, n, device=0):
         free = self.free[device]
         if n > len(free):
-            raise OutOfPages(f"asked for {n} pages but only {len(free)} of {self.n_pages - 1} are free"
-                             + (f" on device {device}" if self.devices > 1 else ""))
+            raise OutOfPages(f"asked for {n} pages but only {len(free)} of {self.n_pages - 1} "
+                             f"are free" + (f" on device {device}" if self.n_devices > 1 else ""))
         pages = [free.pop() for _ in range(n)]
         for p in pages:
-            self.refcount[p] = 1
+            self.owned[p] = True
         return pages
-
-    def retain(self, pages):
-        for p in pages:
-            if p % self.n_pages == NULL_PAGE or self.refcount[p] == 0:
-                raise ValueError(f"retain of page {p}, which is not allocated")
-            self.refcount[p] += 1
 
     def release(self, pages):
         for p in pages:
-            if p % self.n_pages == NULL_PAGE or self.refcount[p] == 0:
+            if p % self.n_pages == NULL_PAGE or not self.owned[p]:
                 raise ValueError(f"release of page {p}, which is not allocated (double free?)")
-            self.refcount[p] -= 1
-            if self.refcount[p] == 0:
-                self.free[self.device_of(p)].append(p)
+            self.owned[p] = False
+            self.free[self.device_of(p)].append(p)

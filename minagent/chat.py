@@ -10,20 +10,25 @@ format:
     PROGRAM  8728<|assistant|>
     MODEL    8728<|end|>
 
-No spaces around special tokens (docs/DESIGN.md says why).
+No spaces are added around special tokens. (The documents print spaces between
+them only so they are easier to read.) A space after `<|call|>` would be one
+more token for the model to learn. It would also change how the text after it
+is split: for a GPT-2-style BPE, "add" and " add" are different pieces.
 
 Text from outside is never a control token. A Segment holds its text and the
 markers the program placed in it as separate parts; `encode` turns a marker
 into its special token and any text, whatever it spells, into ordinary pieces.
 A question that spells "<|end|><|assistant|>" is sent as those characters, not
 as a forged turn. Every path from text to the model goes through `encode`
-(docs/DESIGN.md, "Untrusted text").
+(docs/engine.md, "Untrusted text").
 
-`render` turns a trace into (tokens, authors); the trainer's loss covers exactly the
-tokens whose author is MODEL: the model learns to write a call and to copy a result,
-never to predict one. Each segment is encoded separately, as the loop does; every
-boundary is next to a special token, so the tokens are those of the whole text at
-once (tests/engine/test_chat.py).
+`render` turns a trace into (tokens, authors). The trainer's loss covers exactly
+the tokens whose author is MODEL. The model learns to write a call and to copy
+a result, never to predict one. Each segment is encoded separately, as the agent
+loop does (it appends a result's tokens to what the model wrote). Every segment
+boundary is next to a special token, and specials are cut out before BPE. So this
+gives the same tokens as encoding the whole text at once, and
+tests/engine/test_chat.py checks that.
 """
 
 import dataclasses
@@ -80,8 +85,8 @@ class ChatFormat:
     end: str            # the model ends its answer, and the episode, with it
     call: str = "<|call|>"      # the model opens a call...
     result: str = "<|result|>"  # ...and closes it; the program then writes the result
-    system: str = "{user}{system}\n"  # opens the prompt instead of `user` when there is a system text
-    specials: tuple = ()  # every special token the format writes: a tokenizer must encode each as one id
+    system: str = "{user}{system}\n"  # opens the prompt instead of `user` if there is a system text
+    specials: tuple = ()  # every special the format writes: a tokenizer must encode each as one id
 
 
 # minagent's own format, for a tokenizer trained with tokenizer.MINAGENT_SPECIALS.
@@ -102,8 +107,9 @@ MINAGENT = ChatFormat("minagent", user="<|user|>", assistant="<|assistant|>", en
 # it also ends the answer. A system text gets its own block before the user turn, as in SmolLM2's
 # template. That template inserts a default system text ("You are a helpful AI assistant named
 # SmolLM, ...") when none is given; prompt() does not: pass it as `system` to match.
-CHATML = ChatFormat("chatml", user="<|im_start|>user\n", assistant="<|im_end|>\n<|im_start|>assistant\n",
-                    end="<|im_end|>", system="<|im_start|>system\n{system}<|im_end|>\n{user}",
+CHATML = ChatFormat("chatml", user="<|im_start|>user\n",
+                    assistant="<|im_end|>\n<|im_start|>assistant\n", end="<|im_end|>",
+                    system="<|im_start|>system\n{system}<|im_end|>\n{user}",
                     specials=("<|im_start|>", "<|im_end|>", "<|call|>", "<|result|>"))
 
 
@@ -138,7 +144,10 @@ def encode(tok, segment):
 
 
 def prompt(fmt, question, system=None):
-    """The program's opening. prompt(MINAGENT, "Say hello.") -> PROGRAM "<|user|>Say hello.<|assistant|>".
+    """The program's opening:
+
+        prompt(MINAGENT, "Say hello.") -> PROGRAM "<|user|>Say hello.<|assistant|>"
+
     The question and the system text are text: whatever they spell, they stay text."""
     if system is None:
         head = markup(fmt, fmt.user)
@@ -149,7 +158,9 @@ def prompt(fmt, question, system=None):
 
 
 def tool_round(fmt, call_text, result_text, author=MODEL):
-    """One call and its result: [MODEL "<|call|>add 4821 3907<|result|>", PROGRAM "8728<|assistant|>"].
+    """One call and its result:
+
+        [MODEL "<|call|>add 4821 3907<|result|>", PROGRAM "8728<|assistant|>"]
 
     author=PROGRAM marks a call that the mission generator wrote for the model: the
     malformed call of a "fix" mission. It is in the trace, so the model reads the
@@ -168,9 +179,11 @@ def answer(fmt, text):
 def render_message(m, fmt):
     """One history message -> the Segment sent for it in chat format `fmt`.
 
-    A model message is what the model wrote, markers included (for traces built from text; the
-    loop keeps the ids it sampled). A result is text, then the marker that gives the turn back;
-    any other message opens a user turn, as prompt() does.
+    A model message is what the model wrote, its markers included (the agent loop keeps the
+    very ids it sampled; this is for traces built from text). A result is text, then the
+    marker that gives the turn back, as in tool_round; any other message opens a user turn, as
+    prompt() does. (With CHATML that follows the model's "<|im_end|>" without the "\\n" its
+    template puts between turns.)
     """
     if m.kind == "model":
         return Segment(MODEL, markup(fmt, m.text))
@@ -203,12 +216,13 @@ def rounds(trace, fmt):
     pairs = []
     for seg, nxt in zip(trace, trace[1:]):
         if seg.text.startswith(fmt.call) and seg.text.endswith(fmt.result):
-            pairs.append((seg.text[len(fmt.call):-len(fmt.result)], nxt.text.removesuffix(fmt.assistant)))
+            call = seg.text[len(fmt.call):-len(fmt.result)]
+            pairs.append((call, nxt.text.removesuffix(fmt.assistant)))
     return pairs
 
 
 def render(trace, tok):
-    """trace -> (tokens_T int32, authors_T uint8): each segment encoded on its own, then concatenated."""
+    """trace -> (tokens_T int32, authors_T uint8): each segment encoded on its own, then joined."""
     ids = [encode(tok, s) for s in trace]
     tokens_T = np.array([t for seg in ids for t in seg], dtype=np.int32)
     authors_T = np.array([s.author for s, seg in zip(trace, ids) for _ in seg], dtype=np.uint8)

@@ -2,22 +2,32 @@
 
 One core function, `extend`, pushes up to T new tokens per row through the
 model, starting at each row's current length, and writes their keys and values
-into the row's pages. The two jitted steps are uses of it:
+into the row's pages. The jitted steps are uses of it:
 
     prefill_step   extend over B rows of T tokens, T from a few length buckets
                    (16, 64, 256, ...): prompts, and tokens appended on resume
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
+    decode_steps   n decode steps in one call, a slot stopping on its own when it
+                   samples an end token: no trip to the host between them
 
-Shapes are fixed by (B, T, W, the cache): after the first call of each shape nothing
-recompiles. A row with n_new == 0, and every padding position, writes its K/V to the
-null page only: a paused sequence's pages stay bit-identical while the others step
-(docs/DESIGN.md, "The pause mask"). Shape letters: docs/DESIGN.md, "Shape legend".
+A row reads its pages one of two ways (`attention`): "gather" copies each row's
+pages into one array and masks what the row does not hold (`gather_pages`, the
+reference), "pallas" runs JAX's paged-attention kernel, which loads only the row's
+own pages (`paged_attention`; one new token a row).
+
+Shapes are fixed by (B, T, the page-table width W, the cache): after the first
+call of each shape nothing recompiles, whatever the sequences' lengths. A row
+with n_new == 0, and every padding position t >= n_new, writes its K/V to the
+null page and nowhere else: a paused sequence's pages stay bit-identical while
+the others step (docs/engine.md, "The pause mask"). Shape letters: the legend in
+model.py.
 """
 
 import collections
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +45,11 @@ TRACES = collections.Counter()
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """What the decode step reads of each of the B slots, and returns one token later. A free, paused
-    or finished slot has active False: it pushes nothing; its pending token and length stay."""
-    tokens_B: jax.Array         # int32 [B]     the pending token: pushed this step, at position lengths_B
+    """What the decode step reads of each of the B slots, and returns one token later. A
+    free, paused or finished slot has active False: it pushes nothing; its pending token and
+    length stay."""
+    tokens_B: jax.Array         # int32 [B]     the pending token: pushed this step, at position
+    #                                           lengths_B
     lengths_B: jax.Array        # int32 [B]     positions already in the cache
     active_B: jax.Array         # bool  [B]     the pause mask: True for the slots that advance
     seeds_B: jax.Array          # int32 [B]     each sequence's sampling stream
@@ -47,7 +59,8 @@ class Slots:
     def idle(cls, B, W):
         """B slots on the host, none active, every page-table entry the null page."""
         zeros_B = np.zeros(B, np.int32)
-        return cls(zeros_B, zeros_B.copy(), np.zeros(B, bool), zeros_B.copy(), np.zeros((B, W), np.int32))
+        return cls(zeros_B, zeros_B.copy(), np.zeros(B, bool), zeros_B.copy(),
+                   np.zeros((B, W), np.int32))
 
 
 def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, attention="gather"):
@@ -56,20 +69,24 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     Returns (logits_BxV of each row's last new token, the updated cache).
     Rows with n_new == 0 get meaningless (finite) logits and change nothing
     but the null page. attention: "gather" (the reference: gather the W pages of
-    every row, mask) or "pallas" (T == 1 only: devices.paged_attention, each row's own pages).
+    every row, mask) or "pallas" (T == 1 only: paged_attention, each row's own pages).
+    params["layers"]: stacked [L, ...] arrays (model.py's layout), scanned over; or a list of
+    per-layer dicts (runner.unstack_layers), run one after another.
     """
     B, T = tokens_BxT.shape
     W = page_table_BxW.shape[1]
     K, _, Z, H = cache["k"].shape[1:]
     if attention not in ("gather", "pallas") or (attention == "pallas" and T != 1):
-        raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', or 'pallas' for one")
+        raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', "
+                         f"or 'pallas' for one")
     S = W * Z                     # key positions: every position of the row's gathered pages
 
     positions_BxT = start_B[:, None] + jnp.arange(T)
     is_new_BxT = jnp.arange(T) < n_new_B[:, None]
     # Where each new token's K/V goes: page table[p // Z], offset p % Z; padding -> null page.
     # (The clip only matters for padding positions past the table, which go to page 0 anyway.)
-    table_page_BxT = jnp.take_along_axis(page_table_BxW, jnp.minimum(positions_BxT // Z, W - 1), axis=1)
+    column_BxT = jnp.minimum(positions_BxT // Z, W - 1)
+    table_page_BxT = jnp.take_along_axis(page_table_BxW, column_BxT, axis=1)
     page_BxT = jnp.where(is_new_BxT, table_page_BxT, NULL_PAGE)
     offset_BxT = positions_BxT % Z
 
@@ -87,29 +104,32 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
         x_BxTxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
         lp, l = lp_and_l
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = model.qkv(lp, cfg, x_BxTxD, positions_BxT)
-        # Write first, then read the row's pages back: the chunk attends to itself through the cache.
-        # The cache is carried from layer to layer, so XLA updates it in place (no per-layer copies).
-        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is [B, T, K, H].)
+        # Write first, then read the row's pages back: the chunk attends to itself through the
+        # cache. The cache is carried from layer to layer, so XLA updates it in place (no
+        # per-layer copies). `at`: layer l, every kv head, each new token's page and offset.
+        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is
+        # [B, T, K, H].)
         # A non-finite key or value is written as 0: a row that overflows keeps its NaN in its own
         # logits (the residual stream carries it), and no other row can read it from a page it gets
-        # later, nor from the null page; Pallas attention relies on that (devices.paged_attention).
+        # later, nor from the null page; Pallas attention relies on that (paged_attention).
         k_BxTxKxH, v_BxTxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_BxTxKxH, v_BxTxKxH))
-        k_LxKxPxZxH = k_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
-        v_LxKxPxZxH = v_LxKxPxZxH.at[l, :, page_BxT, offset_BxT].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
+        at = (l, slice(None), page_BxT, offset_BxT)
+        k_LxKxPxZxH = k_LxKxPxZxH.at[at].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
+        v_LxKxPxZxH = v_LxKxPxZxH.at[at].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
         if attention == "pallas":
-            from minagent import devices    # noqa: PLC0415  (devices.py builds on this module)
-            attn_BxTxNH = devices.paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
-                                                  page_table_BxW, length_B)[:, None]
+            attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
+                                          page_table_BxW, length_B)[:, None]
         else:
             keys_BxSxKxH = gather_pages(k_LxKxPxZxH[l], page_table_BxW)
             values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], page_table_BxW)
             values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
             attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
-        attn_BxTxNH = attn_BxTxNH.reshape(B, T, -1).astype(x_BxTxD.dtype)   # the cache's dtype may be wider
+        # back to the residual stream's dtype (the cache's may be wider)
+        attn_BxTxNH = attn_BxTxNH.reshape(B, T, -1).astype(x_BxTxD.dtype)
         return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
 
     carry = (model.embed(params, tokens_BxT), cache["k"], cache["v"])
-    if isinstance(params["layers"], list):     # unstack_layers(params): one layer after another, in place
+    if isinstance(params["layers"], list):     # runner.unstack_layers: layer by layer, in place
         for l, lp in enumerate(params["layers"]):
             carry, _ = layer(carry, (lp, l))
     else:                                       # stacked [L, ...] weights: a scan over the layers
@@ -128,40 +148,87 @@ def gather_pages(pool_KxPxZxH, page_table_BxW):
     return pool_KxPxZxH[:, page_table_BxW].reshape(K, B, W * Z, H).transpose(1, 2, 0, 3)
 
 
-def unstack_layers(params):
-    """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params with
-    "layers" a list of L per-layer dicts. The Batch does this once on CPU; extend accepts both layouts.
+MIN_DOT = 16     # Triton's dot multiplies blocks of at least 16 along every dimension
 
-    Why: a scan slices layer l's matrices out of the [L, ...] arrays at every step, on CPU a
-    copy; separate arrays are read where they lie. The price: a deep model compiles more slowly,
-    and each call passes 9 arrays a layer, a dispatch cost a GPU would feel (there the Batch
-    keeps them stacked).
+
+def check_pallas(page_size, head_dim):
+    """Raise ValueError unless the Pallas kernel can compile for these shapes on a GPU.
+
+    The kernel multiplies a query block [16, head_dim] by a key block [head_dim, pages * page_size]
+    with Triton's dot, which needs 16 or more along each dimension. A row of one page (the Batch's
+    first table width) loads one page at a time, so page_size itself must be 16 or more. Checked on
+    every backend: interpret mode would run a shape that a GPU then refuses to compile."""
+    if page_size < MIN_DOT or head_dim < MIN_DOT:
+        raise ValueError(f"Pallas attention needs page_size >= {MIN_DOT} and head_dim >= {MIN_DOT} "
+                         f"(Triton's dot), not {page_size} and {head_dim}: use a larger page "
+                         f"size, or attention='gather'")
+
+
+def paged_attention(q_BxNxH, k_LxKxPxZxH, v_LxKxPxZxH, l, page_table_BxW, length_B):
+    """Layer l's attention: one query per row over the first length_B[b] positions of row b's pages
+    -> [B, N, H].
+
+    The same attention as the gather path, computed by JAX's Pallas paged-attention kernel
+    (jax.experimental.pallas.ops.gpu), which loads only the pages a row holds, block by block,
+    with an online softmax. On a GPU it compiles through Triton; elsewhere it runs in Pallas's
+    interpret mode (slow: for checking it against the gather path). Unlike the gather path it
+    multiplies the masked weights of positions past a row's length by their values, so it needs
+    those values finite (0 * NaN is NaN): extend never writes a non-finite key or value.
+
+    The kernel is handed the whole cache of every layer, not layer l's part of it: a kernel call
+    takes its arguments as whole buffers, so k[l] would be copied out first, every layer, as many
+    bytes as the kernel then reads. Read as one kv head of L * K * P pages (a reshape, no copy),
+    layer l's head k's page p is page (l * K + k) * P + p, and each (row, kv head) pair becomes
+    a row of its own with the G = N / K query heads that share that kv head.
     """
-    layers = params["layers"]
-    if isinstance(layers, list):
-        return params
-    n_layers = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": [jax.tree.map(lambda a: a[l], layers) for l in range(n_layers)]}
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
+    L, K, P, Z, H = k_LxKxPxZxH.shape
+    B, N, _ = q_BxNxH.shape
+    W = page_table_BxW.shape[1]
+    check_pallas(Z, H)
+    splits = next(s for s in (16, 8, 4, 2, 1) if W % s == 0)         # parts of a row, in parallel
+    block = next(b for b in (8, 4, 2, 1) if (W // splits) % b == 0)  # pages loaded at a time
+    q_BxNxH = q_BxNxH.astype(jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+    q_BxNxH = q_BxNxH.astype(k_LxKxPxZxH.dtype)
+    first_K = (l * K + jnp.arange(K)) * P      # each kv head's first page, layer l
+    table_BKxW = (first_K[None, :, None] + page_table_BxW[:, None, :]).reshape(B * K, W)
+    out_BKxGxH = pallas_ops.paged_attention(
+        q_BxNxH.reshape(B * K, N // K, H), k_LxKxPxZxH.reshape(1, L * K * P, Z, H),
+        v_LxKxPxZxH.reshape(1, L * K * P, Z, H), table_BKxW,
+        jnp.repeat(jnp.maximum(length_B, 1), K).astype(jnp.int32),
+        block_h=16, pages_per_compute_block=block, k_splits=splits,
+        interpret=jax.default_backend() != "gpu")
+    return out_BKxGxH.reshape(B, N, H)
+
+
+def check_sampling(temperature, top_k):
+    """Raise ValueError unless temperature >= 0 (0: greedy) and top_k is an integer >= 0
+    (0: all tokens). A negative temperature would invert the odds; an infinite one is
+    no distribution."""
+    if not (isinstance(temperature, numbers.Real) and 0 <= temperature < float("inf")):
+        raise ValueError(f"temperature={temperature!r}: a number >= 0 (0 is greedy)")
+    if not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool) and top_k >= 0):
+        raise ValueError(f"top_k={top_k!r}: an integer >= 0 (0: every token)")
 
 
 def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
-    """One token per row: argmax if temperature == 0, else softmax(logits / temperature) over the top_k.
+    """One token per row: argmax if temperature == 0, else a draw from softmax(logits /
+    temperature) over the top_k.
 
     Row b draws with key fold_in(fold_in(PRNGKey(0), seeds_B[b]), positions_B[b]):
     a sequence's draws depend on its own seed and position only, not on its
     slot or on what else is in the batch. temperature and top_k are Python
     numbers (static under jit: a Batch keeps one setting, so one compile).
     """
-    if not 0 <= temperature < float("inf") or top_k < 0:      # a negative temperature inverts the odds
-        raise ValueError(f"temperature={temperature!r}, top_k={top_k!r}: need temperature >= 0, top_k >= 0")
+    check_sampling(temperature, top_k)
     if temperature == 0:
         return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     logits_BxV = logits_BxV.astype(jnp.float32) / temperature
     if top_k:
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
         logits_BxV = jnp.where(logits_BxV >= kth_Bx1, logits_BxV, -jnp.inf)
-    root = jax.random.PRNGKey(0)
-    keys_B = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(root, s), p))(seeds_B, positions_B)
+    root, fold = jax.random.PRNGKey(0), jax.random.fold_in
+    keys_B = jax.vmap(lambda s, p: fold(fold(root, s), p))(seeds_B, positions_B)
     return jax.vmap(jax.random.categorical)(keys_B, logits_BxV).astype(jnp.int32)
 
 
@@ -176,7 +243,8 @@ def mask_logits(logits_BxV, allowed_BxV):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
-    """extend over B rows of T tokens -> the updated cache (the logits are not needed: XLA drops them)."""
+    """extend over B rows of T tokens -> the updated cache (the logits are not needed:
+    XLA drops them)."""
     TRACES["prefill", tokens_BxT.shape, page_table_BxW.shape] += 1
     _, cache = extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
     return cache
@@ -184,8 +252,10 @@ def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_Bx
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),
                    donate_argnames=("cache",))
-def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None, attention="gather"):
-    """Push each active slot's pending token and sample the next -> (slots one token later, logits_BxV, cache).
+def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None,
+                attention="gather"):
+    """Push each active slot's pending token and sample the next -> (slots one token later,
+    logits_BxV, cache).
 
     In the returned Slots an active slot's pending token is the one just sampled,
     at position lengths_B + 1; the other slots are as they were. allowed_BxV
@@ -195,10 +265,36 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     """
     TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None] += 1
     n_new_B = slots.active_B.astype(jnp.int32)
-    logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B, n_new_B,
-                               slots.page_table_BxW, attention)
+    logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B,
+                               n_new_B, slots.page_table_BxW, attention)
     masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
     next_B = sample(masked_BxV, slots.seeds_B, slots.lengths_B + 1, temperature, top_k)
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),
                                 lengths_B=slots.lengths_B + n_new_B)
     return later, logits_BxV, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0,
+                 attention="gather"):
+    """n decode steps in one call, no trip to the host between them -> (slots, tokens_NxB, cache).
+
+    A slot's pause bit goes off once it samples an end token (ends_V: bool [V], the stop and
+    pause tokens) or has sampled left_B[b] tokens, as the host would do after a step: the same
+    tokens as n calls of decode_step. tokens_NxB[i, b] is what slot b sampled at step i, -1 once
+    it had stopped. The page table must hold every position the n steps can write.
+    """
+    TRACES["decode_steps", n, slots.page_table_BxW.shape] += 1
+
+    def one(carry, _):
+        slots, left_B, cache = carry
+        went_B = slots.active_B
+        later, _, cache = decode_step(params, cfg, cache, slots, temperature, top_k, None,
+                                      attention)
+        left_B = left_B - went_B
+        ended_B = ends_V[later.tokens_B] | (left_B <= 0)
+        later = dataclasses.replace(later, active_B=went_B & ~ended_B)
+        return (later, left_B, cache), jnp.where(went_B, later.tokens_B, -1)
+    (slots, _, cache), tokens_NxB = jax.lax.scan(one, (slots, left_B, cache), length=n)
+    return slots, tokens_NxB, cache

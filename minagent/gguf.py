@@ -1,7 +1,9 @@
 """Read a GGUF file (llama.cpp's format) with numpy alone.
 
-A header of typed key/value metadata, a table of tensor descriptions, then the aligned
-tensor bytes: memory-mapped, the tables parsed with `struct`, and three types dequantized:
+A GGUF file is a header of typed key/value metadata, a table of tensor
+descriptions, then the tensor bytes, aligned. We memory-map the file, parse the
+two tables with `struct`, and dequantize the three tensor types SmolLM2 ships in
+(F16 and Q4_0 are read too):
 
     F32    plain float32
     Q8_0   blocks of 32 values: one float16 scale d, 32 int8 q;  x = d * q
@@ -62,8 +64,10 @@ class _Cursor:
             return self.string()
         if vtype == 9:
             elem_type, count = self.take("<I"), self.take("<Q")
-            if elem_type == 9 and depth >= MAX_NESTING:     # arrays of arrays: llama.cpp writes none deeper
-                raise GGUFError(f"{self.path}: metadata {key}: arrays nested more than {MAX_NESTING} deep")
+            # arrays of arrays: llama.cpp writes none deeper
+            if elem_type == 9 and depth >= MAX_NESTING:
+                raise GGUFError(f"{self.path}: metadata {key}: arrays nested more than "
+                                f"{MAX_NESTING} deep")
             if count > len(self.buf) - self.pos:            # every element takes at least one byte
                 raise self.truncated(f"the array {key}")
             return [self.value(elem_type, key, depth + 1) for _ in range(count)]
@@ -83,7 +87,7 @@ def read(path):
     except ValueError:   # numpy cannot map an empty file
         raise GGUFError(f"{path}: empty file; fetch it again with `{FETCH_HINT}`") from None
     cur = _Cursor(buf, path)
-    if bytes(buf[:4]) != b"GGUF"[:len(buf)]:   # a file cut inside the magic is truncated, not foreign
+    if bytes(buf[:4]) != b"GGUF"[:len(buf)]:  # a file cut in the magic is truncated, not foreign
         raise GGUFError(f"{path}: not a GGUF file (bad magic); fetch it again with `{FETCH_HINT}`")
     cur.pos = 4
     version = cur.take("<I")
@@ -101,7 +105,8 @@ def read(path):
         name = cur.string()
         n_dims = cur.take("<I")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise GGUFError(f"{path}: tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} expected)")
+            raise GGUFError(f"{path}: tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} "
+                            f"expected)")
         dims = [cur.take("<Q") for _ in range(n_dims)]
         infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
     align = meta.get("general.alignment", 32)
@@ -113,15 +118,16 @@ def read(path):
         if name in tensors:
             raise GGUFError(f"{path}: tensor {name} is listed twice")
         if ttype not in _TENSOR_TYPES:
-            raise GGUFError(f"{path}: tensor {name} has ggml type {ttype}, which minagent cannot dequantize")
+            raise GGUFError(f"{path}: tensor {name} has ggml type {ttype}, which minagent cannot "
+                            f"dequantize")
         tname, per_block, block_bytes = _TENSOR_TYPES[ttype]
         shape = tuple(reversed(dims))
         n_values = 1
-        for d in dims:                                 # Python ints: a product past 2**64 stays exact
+        for d in dims:                      # Python ints: a product past 2**64 stays exact
             n_values *= d
         if n_values % per_block or n_values * block_bytes // per_block > len(buf):
-            raise GGUFError(f"{path}: tensor {name} has shape {shape}, which a {tname} tensor in this "
-                            f"file cannot hold (corrupt, or truncated?)")
+            raise GGUFError(f"{path}: tensor {name} has shape {shape}, which a {tname} tensor in "
+                            f"this file cannot hold (corrupt, or truncated?)")
         n_bytes = n_values // per_block * block_bytes
         start = data_start + offset
         if start + n_bytes > len(buf):

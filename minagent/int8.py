@@ -1,7 +1,8 @@
-"""int8 weights for decoding: a quarter of float32's bytes, and at small batches a decode step is mostly
-reading every weight once. `params = int8.quantize(params)`, then Batch(params, ...) as before: each matrix
-a token multiplies (projections, output head) becomes int8 values and a float32 scale per output; the
-embedding table stays (a lookup reads one row). For decoding only: rounding has no gradient."""
+"""int8 weights for decoding: a quarter of float32's bytes, and at small batches a decode step
+is mostly reading every weight once. `params = int8.quantize(params)`, then Batch(params, ...)
+as before: each matrix a token multiplies (projections, output head) becomes int8 values and a
+float32 scale per output; the embedding table stays (a lookup reads one row). For decoding
+only: rounding has no gradient."""
 
 import typing
 
@@ -10,12 +11,14 @@ import jax.numpy as jnp
 
 
 class Int8(typing.NamedTuple):
-    q: jax.Array         # [..., O, I] int8: w transposed, each output's weights in one row (GGUF's layout)
+    q: jax.Array         # [..., O, I] int8: w transposed, each output's weights in one row
+    #                      (GGUF's layout)
     scale: jax.Array     # [..., O, 1] float32: w.T ~ q * scale
 
 
 def _int8(x, axis=-1):
-    """Round to 127 steps each side of 0, the step set by the largest |value| along `axis` -> (q, scale)."""
+    """Round to 127 steps each side of 0, the step set by the largest |value| along `axis` ->
+    (q, scale)."""
     scale = jnp.maximum(jnp.abs(x).max(axis=axis, keepdims=True).astype(jnp.float32), 1e-30) / 127
     return jnp.round(x / scale).astype(jnp.int8), scale
 
@@ -24,20 +27,23 @@ def quantize(params):
     """params (model.init's layout) with each projection and the output head in int8."""
     layers = {name: Int8(*_int8(jnp.swapaxes(w_LxIxO, -1, -2))) if name.startswith("w") else w_LxIxO
               for name, w_LxIxO in params["layers"].items()}
-    head_VxD = params["unembed"].T if "unembed" in params else params["embed"]     # tied: the table is w.T
+    # tied: the table is w.T
+    head_VxD = params["unembed"].T if "unembed" in params else params["embed"]
     return {**params, "layers": layers, "unembed": Int8(*_int8(head_VxD))}
 
 
 def dot(x_MxI, w):
     """x @ w for an Int8 w, in one int8 product with int32 sums -> [M, O].
 
-    x ~ s (q1 + q2 / 254), s a row's largest |value| / 127 and q2 what q1 missed (at most s / 2) in
-    steps of s / 254: off by 1/64,516 of that value, where q1 alone is off by 1/254. Two rows, as XLA
-    on CPU converts w to int32 for one; w goes first for up to 4 rows of x (measured faster there).
+    x ~ s (q1 + q2 / 254), s a row's largest |value| / 127 and q2 what q1 missed (at most s / 2)
+    in steps of s / 254: off by 1/64,516 of that value, where q1 alone is off by 1/254. Two rows,
+    as XLA on CPU converts w to int32 for one; w goes first for up to 4 rows of x (measured
+    faster there).
     """
     M = x_MxI.shape[0]
     q1, s_Mx1 = _int8(x_MxI)
-    x_2MxI = jnp.vstack([q1, jnp.round((x_MxI - q1 * s_Mx1) / s_Mx1 * 254).astype(jnp.int8)])   # [q1; q2]
+    # [q1; q2]
+    x_2MxI = jnp.vstack([q1, jnp.round((x_MxI - q1 * s_Mx1) / s_Mx1 * 254).astype(jnp.int8)])
     rows = (([1], [1]), ([], []))                                # contract x's I with w's I
     if M <= 4:                                                   # w first: faster for a few rows
         y_Ox2M = jax.lax.dot_general(w.q, x_2MxI, rows, preferred_element_type=jnp.int32)

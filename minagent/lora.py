@@ -9,13 +9,19 @@ a pair A [L, in, r], B [L, r, out] with r much smaller than in and out:
 
     W' = W + (alpha / r) * A @ B
 
-B starts at zero, so the tuned model starts as exactly the base model (a test checks).
-Only A and B are trained: for SmolLM2-135M at r = 8 on all seven projections, 2.4 M
-numbers instead of 135 M (and AdamW's moments for those only); its English stays in W.
+B starts at zero, so W' == W and the tuned model starts as exactly the base
+model (a test checks the logits are unchanged). Only A and B are trained; the
+base params are read, never updated. For SmolLM2-135M with r = 8 on all seven
+projections that is 2.4 M trained numbers instead of 135 M, and AdamW keeps two
+moments for those only. The base model's knowledge (its English) stays in W.
 
 `merge` is a pure function of (params, lora), so the model code is untouched:
-the adapter's loss is `train.loss_fn(merge(base, lora), cfg, batch)`, and jax.grad of it
-with respect to lora is the whole of LoRA training.
+the adapter's loss is `train.loss_fn(merge(base, lora), cfg, batch)`, and
+jax.grad of it with respect to lora is the whole of LoRA training. (Merging
+costs one [in, r] x [r, out] matmul per projection per step: small next to the
+forward pass over a batch. The backward pass still forms dL/dW' for each
+projection; a fused x @ W + (x @ A) @ B would skip that, at the price of
+touching the model code.)
 
 New tokens. model.add_tokens gives new tokens mean-initialised embedding rows:
 identical rows, so with tied embeddings two new tokens always get the same
@@ -24,7 +30,7 @@ LoRA does not touch the embedding table. `new_rows=n` adds a trainable delta
 [E, D] to the table's last E rows (with tied embeddings, the output head too),
 starting at zero like B.
 
-Shape letters: docs/DESIGN.md, "Shape legend" (R the rank, E new embedding rows).
+Shape letters: the legend in model.py (R the rank, E new embedding rows).
 """
 
 import functools
@@ -38,8 +44,9 @@ TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")   # the attention
 
 
 def init(key, params, rank=8, targets=TARGETS, new_rows=0):
-    """Adapters for `targets`: {name: {"a": [L, I, R] ~ normal(0, 1/sqrt(I)), "b": [L, R, O] zeros}},
-    plus {"new_rows": [E, D] zeros} if new_rows > 0.
+    """Adapters for `targets`, plus {"new_rows": [E, D] zeros} if new_rows > 0:
+
+        {name: {"a": [L, I, R] ~ normal(0, 1/sqrt(I)), "b": [L, R, O] zeros}}
 
     A is random so that B's gradient is not zero at the start; B is zero so that
     the tuned model starts exactly at the base model.

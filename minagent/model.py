@@ -7,12 +7,29 @@ Llama's recipe: RMSNorm before each sub-block, rotary position embeddings
 (RoPE), grouped-query attention (K key/value heads shared by N query heads),
 a SwiGLU MLP, and an output head tied to the embedding table or not.
 
-The layers' weights are stacked along a leading L axis and forward runs `jax.lax.scan`
-over them: one compiled layer, not L (SmolLM2 has 30). A shallow model is unrolled: for a
-few layers the scan's bookkeeping (slicing weights, stacking gradients) costs more than it
-saves. The pieces of a layer (`qkv`, `attend`, `finish_layer`) are public: the paged
-decode step (decode.py) runs them with keys and values read from the cache.
-Shape letters (suffixes on array names): docs/DESIGN.md, "Shape legend".
+The layers' weights are stacked along a leading L axis and the forward pass
+runs `jax.lax.scan` over them: one compiled layer instead of L copies, which
+keeps compile time flat in depth (SmolLM2 has 30 layers). A shallow model is
+unrolled instead: for a few layers the loop's bookkeeping (slicing each
+layer's weights out, stacking their gradients) costs more than it saves.
+
+The pieces of a layer (`qkv`, `attend`, `finish_layer`) are public because the
+paged decode step (decode.py) runs the same layer with keys and values read
+from the cache instead of computed for the whole sequence.
+
+Shape legend, for every module of the engine: array names carry their shape as a suffix
+(`k_LxKxPxZxH`, `page_table_BxW`, `active_B`), and each letter has one meaning.
+
+    B        rows of a batch (training rows, prefill rows, decode slots)
+    T        token positions along a row (a sequence, or the new tokens of a chunk: the queries)
+    S        key positions a query attends to
+    D N K    model width; query heads; key/value heads
+    G H F    G = N / K query heads per key/value head; head dimension; MLP hidden width
+    V L      vocabulary; layers
+    P Z W    pages in the cache pool; positions per page (page size); pages per row
+             (the page-table width)
+    R I O E  LoRA rank; a projection's input and output widths; new embedding rows (LoRA)
+    M        rows of a 2-D product (B * T folded into one axis, `dense`)
 """
 
 import dataclasses
@@ -34,7 +51,7 @@ class Config:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
-    dtype: str = "float32"          # "bfloat16" halves memory on GPU; norms and softmax stay float32
+    dtype: str = "float32"          # bfloat16 halves memory on GPU; norms and softmax stay float32
 
     @property
     def head_dim(self):
@@ -42,7 +59,8 @@ class Config:
 
 
 def init(key, cfg):
-    """Random params: normal(0, 0.02) weights, output projections scaled by depth (GPT-2's trick)."""
+    """Random params: normal(0, 0.02) weights, the output projections scaled by depth
+    (GPT-2's trick)."""
     D, F, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
     NH, KH = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     keys = iter(jax.random.split(key, 9))
@@ -97,15 +115,20 @@ def with_vocab(cfg, params):
 UNROLL = 4   # a model of at most this many layers is unrolled, not scanned
 
 
-def dense(x_BxTxI, w_IxO):
+def dense(x_BxTxI, w_IxO, out_dtype=None):
     """x @ w with the leading axes folded into one: [B, T, I] -> [B*T, I] @ [I, O] -> [B, T, O].
 
     The same product. Why fold: on CPU, XLA's backward pass through a 3-D product writes its
     gradients through slow transposes; the 2-D one does not. w may be int8 (int8.quantize).
+    out_dtype: the result's dtype (default: x's); the output head asks for float32 logits,
+    summed in float32 even when x and w are bfloat16.
     """
     *lead, I = x_BxTxI.shape
     x_MxI = x_BxTxI.reshape(-1, I)
-    y_MxO = int8.dot(x_MxI, w_IxO) if isinstance(w_IxO, int8.Int8) else x_MxI @ w_IxO
+    if isinstance(w_IxO, int8.Int8):
+        y_MxO = int8.dot(x_MxI, w_IxO).astype(out_dtype or x_MxI.dtype)
+    else:
+        y_MxO = jnp.dot(x_MxI, w_IxO, preferred_element_type=out_dtype)
     return y_MxO.reshape(*lead, y_MxO.shape[-1])
 
 
@@ -153,7 +176,8 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
     K = k_BxSxKxH.shape[2]
     q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
     scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                                  preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+                                  preferred_element_type=jnp.float32)
+    scores_BxKxGxTxS = scores_BxKxGxTxS / jnp.sqrt(H).astype(jnp.float32)
     scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, -1e30)
     probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
     out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
@@ -176,10 +200,7 @@ def unembed(params, cfg, x_BxTxD):
     """Final norm and output head -> float32 logits."""
     h_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
     w_DxV = params["unembed"] if "unembed" in params else params["embed"].T
-    if isinstance(w_DxV, int8.Int8):
-        return dense(h_BxTxD, w_DxV).astype(jnp.float32)
-    B, T, D = h_BxTxD.shape          # folded to 2-D as in dense()
-    return jnp.dot(h_BxTxD.reshape(B * T, D), w_DxV, preferred_element_type=jnp.float32).reshape(B, T, -1)
+    return dense(h_BxTxD, w_DxV, jnp.float32)
 
 
 # ---------------------------------------------------------------- whole sequences
@@ -197,14 +218,15 @@ def forward(params, cfg, tokens_BxT, positions_BxT=None, segments_BxT=None):
     causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
     mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
     if segments_BxT is not None:
-        same = (segments_BxT[:, :, None] == segments_BxT[:, None, :]) | (segments_BxT[:, None, :] == -1)
-        mask_BxTxS = mask_BxTxS & same
+        seg_BxTx1, seg_Bx1xS = segments_BxT[:, :, None], segments_BxT[:, None, :]
+        mask_BxTxS = mask_BxTxS & ((seg_BxTx1 == seg_Bx1xS) | (seg_Bx1xS == -1))
 
     def layer(x_BxTxD, lp):
         q, k, v = qkv(lp, cfg, x_BxTxD, positions_BxT)
         return finish_layer(lp, cfg, x_BxTxD, attend(q, k, v, mask_BxTxS)), None
 
-    x_BxTxD, _ = jax.lax.scan(layer, embed(params, tokens_BxT), params["layers"], unroll=cfg.n_layers <= UNROLL)
+    x_BxTxD, _ = jax.lax.scan(layer, embed(params, tokens_BxT), params["layers"],
+                              unroll=cfg.n_layers <= UNROLL)
     return unembed(params, cfg, x_BxTxD)
 
 

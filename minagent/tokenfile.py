@@ -8,6 +8,7 @@ import pathlib
 
 import regex
 
+from minagent import gguf
 from minagent import tokenizer as tk
 
 FORMAT = "minagent-bpe v1"
@@ -23,7 +24,8 @@ def load(path):
 
 def dumps(tok):
     """The file's text: header, pattern, specials, every piece in id order, merges in rank order.
-    Pieces are written with GPT-2's byte -> char map, so " the" reads "Ġthe" and no piece holds a space."""
+    Pieces are written with GPT-2's byte -> char map, so " the" reads "Ġthe" and no piece holds a
+    space."""
     s = [tk.to_str(p) for p in tok.pieces]
     lines = [FORMAT, f"pattern {tok.pattern}", f"specials {len(tok.specials)}"]
     lines += [f"{i} {name}" for name, i in tok.specials.items()]
@@ -40,7 +42,8 @@ def loads(text, path="<text>"):
     at = 0
 
     def bad(why):
-        return ValueError(f"{path}: line {at}: corrupt tokenizer file, {why}: {lines[at - 1][:60]!r}")
+        return ValueError(f"{path}: line {at}: corrupt tokenizer file, {why}: "
+                          f"{lines[at - 1][:60]!r}")
 
     def take(what):  # the next line
         nonlocal at
@@ -54,7 +57,8 @@ def loads(text, path="<text>"):
         if key != name or not n.isdigit():
             raise bad(f"expected '{name} N'")
         if int(n) > len(lines) - at:
-            raise bad(f"the header says {n} {name}, the file holds at most {len(lines) - at} more lines")
+            raise bad(f"the header says {n} {name}, the file holds at most {len(lines) - at} "
+                      f"more lines")
         return int(n)
 
     def piece(s):
@@ -89,20 +93,21 @@ def loads(text, path="<text>"):
             raise bad("expected 'LEFT RIGHT', two pieces that merge into a third")
         merges.append((id_of[pair[0]], id_of[pair[1]]))
     if at < len(lines):
-        raise ValueError(f"{path}: {len(lines) - at} lines after the {len(merges)} merges the header announced")
+        raise ValueError(f"{path}: {len(lines) - at} lines after the {len(merges)} merges the "
+                         f"header announced")
     if any(i >= len(pieces) for i in specials.values()):
         raise ValueError(f"{path}: a special token's id is past the {len(pieces)} pieces")
     return tk.Tokenizer(pieces, tuple(merges), specials, pattern)
 
 
 def from_gguf(path):
-    """SmolLM2's tokenizer from its GGUF file: the same pieces, ids, merges and specials as the original."""
-    from minagent import gguf
-
+    """SmolLM2's tokenizer from its GGUF file: the same pieces, ids, merges and specials as the
+    original."""
     meta, _ = gguf.read(path)
-    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") != "smollm":
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if model != "gpt2" or pre != "smollm":
         raise ValueError(f"{path}: expected a byte-level BPE with the 'smollm' pre-tokenizer, got "
-                         f"{meta.get('tokenizer.ggml.model')!r} / {meta.get('tokenizer.ggml.pre')!r}")
+                         f"{model!r} / {pre!r}")
     names, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     specials = {s: i for i, (s, t) in enumerate(zip(names, types)) if t == 3}  # 3 = control token
     pieces = tuple(s.encode("utf-8") if t == 3 else tk.to_bytes(s) for s, t in zip(names, types))

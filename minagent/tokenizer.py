@@ -1,4 +1,5 @@
-"""Byte-level BPE: train one on a corpus (files: tokenfile.py, and SmolLM2's from its GGUF file).
+"""Byte-level BPE: train one on a corpus, or load SmolLM2's from its GGUF file (tokenfile.py
+reads and writes tokenizer files, SmolLM2's included).
 
 Text becomes ids in three steps:
 
@@ -32,24 +33,25 @@ from collections import Counter, defaultdict
 import numpy as np
 import regex
 
-# GPT-2's pre-tokenizer: contractions, letters with one optional leading space,
-# digits, other symbols, and whitespace (a run of spaces leaves its last space to the next word).
+# GPT-2's pre-tokenizer: contractions, letters with one optional leading space, digits, other
+# symbols, and whitespace (a run of spaces leaves its last space to the next word).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # SmolLM2's ("smollm" in llama.cpp; HF: Sequence[Digits(individual_digits), ByteLevel]): every
 # digit is its own chunk, then the GPT-2 regex runs on the text between digits. One regex does
 # both: `\p{N}` comes first, ` ?\p{N}+` is gone, and a digit ends a run of spaces the way the end
 # of the text does (`(?![^\s\p{N}])` instead of `(?!\S)`), so "a  4" -> "a", "  ", "4".
-LONE_SURROGATE = regex.compile("[\ud800-\udfff]")   # a str may hold them (surrogateescape, JSON); UTF-8 may not
+SMOLLM_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"
+                  r"|\s+(?![^\s\p{N}])|\s+")
+MINAGENT_SPECIALS = ["<|user|>", "<|assistant|>", "<|end|>", "<|call|>", "<|result|>"]
+# A str may hold lone surrogates (surrogateescape, JSON); UTF-8 may not.
+LONE_SURROGATE = regex.compile("[\ud800-\udfff]")
 REPLACEMENT = "\ufffd"
 
 
 def well_formed(text):
-    """text with each lone surrogate replaced by U+FFFD, so that it has a UTF-8 encoding to tokenize."""
+    """text with each lone surrogate replaced by U+FFFD, so that it has a UTF-8 encoding to
+    tokenize."""
     return LONE_SURROGATE.sub(REPLACEMENT, text) if LONE_SURROGATE.search(text) else text
-
-
-SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
-MINAGENT_SPECIALS = ["<|user|>", "<|assistant|>", "<|end|>", "<|call|>", "<|result|>"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,9 +59,11 @@ def bytes_to_unicode():
     """GPT-2's map byte -> printable char, so that every piece is a readable string.
 
     Printable bytes map to themselves ("a" -> "a"); the others are shifted past 255:
-    space -> "Ġ", newline -> "Ċ". GGUF and HF vocabularies store pieces this way ("Ġis" = b" is").
+    space -> "Ġ", newline -> "Ċ". GGUF and HF vocabularies store pieces this way
+    ("Ġis" = b" is").
     """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
     shifted = iter(range(256, 512))
     return {b: chr(b) if b in keep else chr(next(shifted)) for b in range(256)}
 
@@ -78,7 +82,10 @@ def to_bytes(s):
 
 
 def _merge(ids, pair, new_id):
-    """Replace every occurrence of `pair` in `ids`, left to right: [1, 2, 3, 1, 2], (1, 2), 9 -> [9, 3, 9]."""
+    """Replace every occurrence of `pair` in `ids`, left to right:
+
+        _merge([1, 2, 3, 1, 2], (1, 2), 9) -> [9, 3, 9]
+    """
     out, i = [], 0
     while i < len(ids):
         if i + 1 < len(ids) and ids[i] == pair[0] and ids[i + 1] == pair[1]:
@@ -97,20 +104,23 @@ class Tokenizer:
     specials: dict  # name -> id, e.g. {"<|call|>": 8195}
     pattern: str  # the pre-tokenizer regex
 
-    # Derived tables, built on first use (cached_property writes to __dict__, which a frozen dataclass allows).
+    # Derived tables, built on first use (cached_property writes to __dict__, which a frozen
+    # dataclass allows).
     @functools.cached_property
     def _ranks(self):
-        """(left, right) -> (rank, id of the merged piece). A trained tokenizer's merge r makes id 256 + r;
-        SmolLM2's ids are in another order, so we look the merged bytes up instead."""
+        """(left, right) -> (rank, id of the merged piece). A trained tokenizer's merge r makes
+        id 256 + r; SmolLM2's ids are in another order, so we look the merged bytes up instead."""
         special_ids = set(self.specials.values())
         id_of = {p: i for i, p in enumerate(self.pieces) if i not in special_ids}
-        return {(a, b): (r, id_of[self.pieces[a] + self.pieces[b]]) for r, (a, b) in enumerate(self.merges)}
+        return {(a, b): (r, id_of[self.pieces[a] + self.pieces[b]])
+                for r, (a, b) in enumerate(self.merges)}
 
     @functools.cached_property
     def _byte_ids(self):
-        """byte -> id of its one-byte piece. SmolLM2's vocabulary lacks 21 bytes: 13 never occur in utf-8,
-        2 only begin characters of unassigned planes 4-11, and 6 are control characters (bytes 4, 6, 19,
-        20, 22, 29). Like HF and llama.cpp, we drop them: those characters do not survive a round trip."""
+        """byte -> id of its one-byte piece. SmolLM2's vocabulary lacks 21 bytes: 13 never occur
+        in utf-8, 2 only begin characters of unassigned planes 4-11, and 6 are control characters
+        (bytes 4, 6, 19, 20, 22, 29). Like HF and llama.cpp, we drop them: those characters do
+        not survive a round trip."""
         special_ids = set(self.specials.values())
         return {p[0]: i for i, p in enumerate(self.pieces) if len(p) == 1 and i not in special_ids}
 
@@ -120,9 +130,10 @@ class Tokenizer:
 
     @functools.cached_property
     def _special_split(self):
-        # longest first, so that a special that is a prefix of another cannot win; the group keeps them in split()
+        # Longest first, so that a special that is a prefix of another cannot win; the group
+        # keeps them in split().
         names = sorted(self.specials, key=len, reverse=True)
-        return regex.compile("(" + "|".join(regex.escape(n) for n in names) + ")") if names else None
+        return regex.compile("(" + "|".join(map(regex.escape, names)) + ")") if names else None
 
     @functools.cached_property
     def _cache(self):
@@ -137,7 +148,8 @@ class Tokenizer:
 
     def special(self, name):
         if name not in self.specials:
-            raise KeyError(f"no special token {name!r} in this tokenizer; it has {sorted(self.specials)}")
+            raise KeyError(f"no special token {name!r} in this tokenizer; it has "
+                           f"{sorted(self.specials)}")
         return self.specials[name]
 
     def _bpe(self, chunk):
@@ -151,7 +163,8 @@ class Tokenizer:
         return ids
 
     def encode_ordinary(self, text):
-        """text -> ids, with special-token names treated as plain text (lone surrogates as U+FFFD)."""
+        """text -> ids, with special-token names treated as plain text (lone surrogates as
+        U+FFFD)."""
         text, (cache, ids) = well_formed(text), (self._cache, [])
         if len(cache) > 500_000:  # bound the memory on endless novel text
             cache.clear()
@@ -176,7 +189,8 @@ class Tokenizer:
         bad = [i for i in ids if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or
                not 0 <= i < len(self.pieces)]
         if bad:      # pieces[-1] would quietly be the last special token
-            raise ValueError(f"token ids {bad[:5]} are not ids of this tokenizer [0, {len(self.pieces)})")
+            raise ValueError(f"token ids {bad[:5]} are not ids of this tokenizer "
+                             f"[0, {len(self.pieces)})")
         return b"".join(self.pieces[i] for i in ids)
 
     def decode(self, ids):
@@ -185,7 +199,8 @@ class Tokenizer:
 
 
 def add_special_tokens(tok, names):
-    """A new tokenizer with `names` appended after the last id; names already present keep their id."""
+    """A new tokenizer with `names` appended after the last id; names already present keep their
+    id."""
     pieces, specials = list(tok.pieces), dict(tok.specials)
     for name in names:
         if name not in specials:
@@ -214,9 +229,11 @@ def _learn_merges(words, counts, n_merges, progress=False):
     where[(a, b)]        indices of the words holding the pair (may hold stale ones; we check)
     heap                 (-count, pair): pops the most frequent, ties -> the smallest pair.
 
-    A merge changes only the words holding the pair (rewritten in place), so only their pairs are
-    recounted, and counts only fall (pairs with the new id are pushed fresh): a popped heap entry
-    whose count is stale goes back with the true count ("lazy invalidation"); a fresh one is the max.
+    A merge only changes the words that hold the pair (`words` is rewritten in place), so only
+    their pairs are recounted. Counts then only fall, except for pairs with the new id, which are
+    pushed fresh. So a heap entry is an upper bound: a popped entry whose count is out of date is
+    pushed back with the true count ("lazy invalidation"); one that is up to date is the true
+    maximum.
     """
     pair_counts, where = defaultdict(int), defaultdict(set)
     for w, (word, n) in enumerate(zip(words, counts)):
@@ -259,26 +276,34 @@ def _learn_merges(words, counts, n_merges, progress=False):
 
 
 def _progress(what, done, total, t0, end=""):
-    """A one-line progress bar on stderr, redrawn in place by "\\r": train bpe [########    ]  3100/7936  4.2 s"""
+    """A one-line progress bar on stderr, redrawn in place by "\\r":
+
+        train bpe [########    ]  3100/7936  4.2 s
+    """
     bar = "#" * (20 * done // max(total, 1))
-    print(f"\r{what} [{bar:<20}] {done:>6}/{total}  {time.time() - t0:.1f} s", end=end, file=sys.stderr, flush=True)
+    print(f"\r{what} [{bar:<20}] {done:>6}/{total}  {time.time() - t0:.1f} s", end=end,
+          file=sys.stderr, flush=True)
 
 
 def train(text, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGENT_SPECIALS, progress=False):
     """Learn vocab_size - 256 merges on `text`; the specials get the ids after: 8192, 8193, ...
 
     Stops early (fewer pieces) if the corpus runs out of pairs."""
-    return train_counts(_count_words(well_formed(text), pattern, specials), vocab_size, pattern, specials, progress)
+    chunks = _count_words(well_formed(text), pattern, specials)
+    return train_counts(chunks, vocab_size, pattern, specials, progress)
 
 
-def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGENT_SPECIALS, progress=False):
+def train_counts(chunks, vocab_size=8192, pattern=GPT2_PATTERN, specials=MINAGENT_SPECIALS,
+                 progress=False):
     """Learn the merges from chunks already split and counted: {" the": 537, " cat": 2, ...}.
 
     `train` counts a text's chunks and calls this; a corpus that comes as word frequencies
-    instead of running text (tasks/context/counting.py's wordfreq_chunks) calls it directly. Each chunk should be one
-    the pattern would cut: merges learned inside it are applied chunk by chunk when encoding."""
+    instead of running text (tasks/context/counting.py's wordfreq_chunks) calls it directly.
+    Each chunk should be one the pattern would cut: merges learned inside it are applied chunk
+    by chunk when encoding."""
     if vocab_size < 256:
-        raise ValueError(f"vocab_size counts the 256 byte pieces, so it must be >= 256, got {vocab_size}")
+        raise ValueError(f"vocab_size counts the 256 byte pieces, so it must be >= 256, got "
+                         f"{vocab_size}")
     words = [list(chunk.encode("utf-8")) for chunk in chunks]
     merges = _learn_merges(words, list(chunks.values()), vocab_size - 256, progress)
     pieces = [bytes([b]) for b in range(256)]

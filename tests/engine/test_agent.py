@@ -44,7 +44,7 @@ def memorised(tok):
 @pytest.mark.parametrize("cache", [True, False])
 def test_memorised_trace_replays_identically(tok, memorised, cache):
     mission, tokens, authors, params, cfg = memorised
-    batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128, cache=cache)
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128, reuse_cache=cache)
     (r,) = agent.run(batch, tok, FMT, [mission.trace[0]], [Toolbox(mission.seed)])
     assert r.status == "done"
     np.testing.assert_array_equal(r.tokens, tokens)       # call, result and answer included
@@ -59,7 +59,7 @@ def test_cache_pushes_each_position_once(tok, memorised):
     mission, tokens, _, params, cfg = memorised
     positions = {}
     for cache in (True, False):
-        batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128, cache=cache)
+        batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128, reuse_cache=cache)
         (r,) = agent.run(batch, tok, FMT, [mission.trace[0]], [Toolbox(mission.seed)])
         positions[cache] = r.positions
     # every token but the last (<|end|>, sampled and never fed back) went through the model once

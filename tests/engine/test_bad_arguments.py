@@ -11,6 +11,7 @@ import pytest
 
 from minagent import agent, chat, decode, model
 from minagent.batch import Batch
+from minagent.runner import RunnerConfig
 from minagent.tools import Toolbox
 
 CFG = model.Config(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32)
@@ -20,9 +21,10 @@ PARAMS = model.init(jax.random.PRNGKey(0), CFG)
 @pytest.mark.parametrize("kw, name", [
     (dict(page_size=0), "page_size=0"), (dict(slots=0), "slots=0"), (dict(n_pages=1), "n_pages=1"),
     (dict(temperature=-0.5), "temperature=-0.5"), (dict(temperature=float("nan")), "temperature=nan"),
-    (dict(top_k=-1), "top_k=-1"), (dict(max_len=2.5), "max_len=2.5"), (dict(buckets=()), "buckets=()"),
-    (dict(attention="flash"), "attention='flash'"),
-    (dict(mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",))), "one axis, 'data'"),
+    (dict(top_k=-1), "top_k=-1"), (dict(max_len=2.5), "max_len=2.5"),
+    (dict(runner=RunnerConfig(buckets=())), "buckets=()"), (dict(runner=RunnerConfig(prefill_rows=0)), "prefill_rows=0"),
+    (dict(runner=RunnerConfig(attention="flash")), "attention='flash'"),
+    (dict(runner=RunnerConfig(mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)))), "one axis, 'data'"),
 ])
 def test_batch_settings(kw, name):
     with pytest.raises(ValueError, match=name.replace("(", r"\(").replace(")", r"\)")):
@@ -58,9 +60,10 @@ def test_numpy_integers_are_ids_too():
     assert batch.seqs[i].tokens == [1, 2, 3] and all(type(t) is int for t in batch.seqs[i].tokens)
 
 
-@pytest.mark.parametrize("temperature, top_k", [(-1.0, 0), (1.0, -3), (float("inf"), 0)])
-def test_sample_refuses_a_negative_temperature(temperature, top_k):
-    with pytest.raises(ValueError, match="need temperature >= 0, top_k >= 0"):
+@pytest.mark.parametrize("temperature, top_k, name", [(-1.0, 0, "temperature=-1.0"), (1.0, -3, "top_k=-3"),
+                                                      (float("inf"), 0, "temperature=inf")])
+def test_sample_refuses_a_negative_temperature(temperature, top_k, name):
+    with pytest.raises(ValueError, match=name):
         decode.sample(np.zeros((1, 5), np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32), temperature, top_k)
 
 

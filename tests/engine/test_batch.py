@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from minagent import model
 from minagent.batch import Batch
+from minagent.runner import RunnerConfig
 from minagent.batch import Stuck
 from minagent.cache import pages_for
 
@@ -81,9 +82,9 @@ def test_batch_equals_forward(attention, per_layer):
     params, cfg, page_size = PARAMS, CFG, 4
     if attention == "pallas":          # pages and heads of 16 or more (Triton's dot): a wider model, larger pages
         (params, cfg), page_size = tiny_model(d_model=64), 16
-    batch = Batch(params, cfg, slots=3, n_pages=40, page_size=page_size, max_len=64, buckets=(4, 16),
-                  prefill_rows=2, attention=attention, per_layer=per_layer, keep_logits=True)
-    assert isinstance(batch.params["layers"], list) == per_layer
+    runner = RunnerConfig(buckets=(4, 16), prefill_rows=2, attention=attention, per_layer=per_layer)
+    batch = Batch(params, cfg, slots=3, n_pages=40, page_size=page_size, max_len=64, keep_logits=True, runner=runner)
+    assert isinstance(batch.runner.params["layers"], list) == per_layer
     prompts = [[7], [5, 6, 7, 8, 9], list(range(1, 18)), [(3 * j) % V for j in range(40)]]
     ids = [batch.add(p, 12) for p in prompts]
     while batch.running():
@@ -146,7 +147,7 @@ def test_cache_false_rereads_everything():
     """A resume-heavy schedule: the same tokens with and without the cache, positions counted exactly."""
     counts, texts = {}, {}
     for use_cache in (True, False):
-        batch = Batch(PARAMS, CFG, slots=2, page_size=4, max_len=64, cache=use_cache)
+        batch = Batch(PARAMS, CFG, slots=2, page_size=4, max_len=64, reuse_cache=use_cache)
         ids = [batch.add([1, 2, 3], 2), batch.add([7, 8, 9, 10, 11], 3)]
         # Without a cache a stretch pushes the whole episode so far, then limit - 1 sampled tokens.
         rereads = {ids[0]: 3 + 2 - 1, ids[1]: 5 + 3 - 1}
@@ -169,8 +170,8 @@ def test_cache_false_rereads_everything():
 def test_no_recompilation_after_warmup():
     """200 sequences of prompt lengths 1..100 and varied limits: nothing compiles after warmup()."""
     rng = np.random.RandomState(0)
-    batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, prefill_rows=2,
-                  buckets=(16, 64, 128), stop_tokens=[0])
+    batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, stop_tokens=[0],
+                  runner=RunnerConfig(prefill_rows=2, buckets=(16, 64, 128)))
     batch.warmup()
     warm = batch.compiles
     assert warm <= 3 * 6 + 6                       # a prefill per (bucket, width), a decode per width (1, ..., 32)
@@ -259,8 +260,8 @@ def check_invariants(batch):
 
 def play(schedule, use_cache):
     batch = Batch(PARAMS, CFG, slots=SLOTS, n_pages=1 + SLOTS * pages_for(MAX_LEN, S), page_size=S,
-                  max_len=MAX_LEN, pause_tokens=PAUSE, stop_tokens=STOP, cache=use_cache, temperature=1.0,
-                  buckets=(4, 16), prefill_rows=2)
+                  max_len=MAX_LEN, pause_tokens=PAUSE, stop_tokens=STOP, reuse_cache=use_cache, temperature=1.0,
+                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2))
     log, stretch = [], {}
     for o in schedule:
         ids = sorted(batch.seqs)
@@ -346,7 +347,7 @@ def test_bfloat16_weights_with_either_cache():
         i = batch.add(prompt, 12)
         while batch.running():
             batch.step()
-        assert batch.kv["k"].dtype == jnp.dtype(cache_dtype)
+        assert batch.runner.kv["k"].dtype == jnp.dtype(cache_dtype)
         tokens, got = [batch.seqs[i].tokens], np.stack(batch.seqs[i].logits)
         ref16 = np.asarray(model.forward(params16, cfg16, np.array(tokens)))[0, len(prompt) - 1:-1]
         ref32 = np.asarray(model.forward(PARAMS, CFG, np.array(tokens)))[0, len(prompt) - 1:-1]

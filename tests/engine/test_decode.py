@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minagent import decode, devices, model
+from minagent import decode, model
 from minagent.batch import Batch
+from minagent.runner import RunnerConfig
 from minagent.cache import PagePool, init_cache, pages_for
 
 extend = jax.jit(decode.extend, static_argnums=1)
@@ -236,7 +237,7 @@ def test_no_cache_shaped_converts_in_the_default_decode_step():
     assert cache_converts(bf16, "float32") == []
     if jax.default_backend() == "cpu":
         assert len(cache_converts(bf16)) >= 2 * cfg.n_layers
-        assert Batch(model.init(jax.random.PRNGKey(0), bf16), bf16, slots=1).kv["k"].dtype == jnp.float32
+        assert Batch(model.init(jax.random.PRNGKey(0), bf16), bf16, slots=1).runner.kv["k"].dtype == jnp.float32
 
 
 @pytest.mark.slow         # Pallas is opt-in; on CPU it runs in interpret mode, slowly
@@ -288,15 +289,15 @@ def test_pallas_refuses_the_shapes_triton_cannot_compile():
     params, cfg = tiny(d_model=64)                               # head_dim 16
     for page_size in (4, 8):
         with pytest.raises(ValueError, match="page_size >= 16"):
-            Batch(params, cfg, slots=2, page_size=page_size, attention="pallas")
+            Batch(params, cfg, slots=2, page_size=page_size, runner=RunnerConfig(attention="pallas"))
     small, small_cfg = tiny()                                    # head_dim 8
     with pytest.raises(ValueError, match="head_dim >= 16"):
-        Batch(small, small_cfg, slots=2, page_size=16, attention="pallas")
-    Batch(params, cfg, slots=2, page_size=16, attention="pallas")
+        Batch(small, small_cfg, slots=2, page_size=16, runner=RunnerConfig(attention="pallas"))
+    Batch(params, cfg, slots=2, page_size=16, runner=RunnerConfig(attention="pallas"))
     Batch(small, small_cfg, slots=2, page_size=4)               # the gather path takes any shape
     cache = init_cache(cfg, 4, 8)
     with pytest.raises(ValueError, match="page_size >= 16"):
-        devices.paged_attention(jnp.zeros((1, 4, 16)), cache["k"], cache["v"], 0, np.ones((1, 1), np.int32),
+        decode.paged_attention(jnp.zeros((1, 4, 16)), cache["k"], cache["v"], 0, np.ones((1, 1), np.int32),
                                 np.ones(1, np.int32))
 
 
@@ -315,7 +316,7 @@ def test_a_non_finite_value_of_one_sequence_reaches_no_other(attention):
     cache holds only finite numbers, the overflow shows in its own sequence's logits, and the next
     owner of its page decodes as if alone, in both paths."""
     params, cfg = nan_token_model()
-    kw = dict(slots=1, n_pages=3, page_size=16, max_len=32, attention=attention, keep_logits=True)
+    kw = dict(slots=1, n_pages=3, page_size=16, max_len=32, runner=RunnerConfig(attention=attention), keep_logits=True)
     batch = Batch(params, cfg, **kw)
     a = batch.add([1, 2, 3, 4, 5], 3)                  # the decode step pushes token 5: it overflows
     while batch.running():
@@ -332,4 +333,4 @@ def test_a_non_finite_value_of_one_sequence_reaches_no_other(attention):
     got, want = np.stack(batch.seqs[b].logits), np.stack(alone.seqs[c].logits)
     assert 5 not in batch.seqs[b].tokens and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    assert all(bool(jnp.isfinite(batch.kv[n]).all()) for n in ("k", "v"))
+    assert all(bool(jnp.isfinite(batch.runner.kv[n]).all()) for n in ("k", "v"))

@@ -79,7 +79,7 @@ def test_paged_steps_with_int8_weights_equal_forward_with_them(per_layer):
     prompts = [[7], [5, 6, 7, 8, 9], [(3 * j) % V for j in range(23)]]
     batch = Batch(q, cfg, slots=2, n_pages=30, page_size=4, max_len=64, buckets=(4, 16), per_layer=per_layer,
                   keep_logits=True)
-    layers = batch.params["layers"]
+    layers = batch.runner.params["layers"]
     assert isinstance((layers[0] if per_layer else layers)["wq"], int8.Int8)
     ids = [batch.add(p, 10) for p in prompts]
     while batch.running():

@@ -57,11 +57,12 @@ def test_code_lines_count_code_only():
 
 def test_the_engine_stays_small_enough_to_read():
     """Lines of code (docstrings, comments and blank lines not counted): the engine (every module
-    directly in minagent/) at most 2,000, the reader's path through it (README, "Reading order") at
-    most 1,000. Set from the code of 2026-12-02 (1,873 and 969), a little above."""
+    directly in minagent/) at most 2,100, the reader's path through it (README, "Reading order") at
+    most 1,050. Set from the code of 2026-12-02 once wrapped at 100 columns (1,998 and 993), with
+    room for a few more checks. A clear sentence never counts against them."""
     path = ["tokenizer", "model", "cache", "decode", "batch", "agent"]
-    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2000
-    assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1000
+    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2100
+    assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1050
 
 
 def test_imported_modules_reads_every_form():
@@ -85,3 +86,45 @@ def test_nothing_points_outside_the_repository():
              for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
              if OUTSIDE.search(line)]
     assert not found, "\n".join(found[:20])
+
+
+PATH = ["tokenizer", "model", "cache", "decode", "mesh", "runner", "batch", "agent"]   # the reader's order
+
+
+def minagent_imports(path, top_level_only=False):
+    """The engine modules a file imports: "from minagent.batch import Batch" -> {"batch"}."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minagent"):
+            parts = node.module.split(".")
+            found |= {a.name for a in node.names} if len(parts) == 1 else {parts[1]}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("minagent.")}
+    return {name for name in found if (ROOT / "minagent" / f"{name}.py").exists()}
+
+
+def test_imports_run_one_way():
+    """Along the reader's path a module imports only modules before it; across the whole engine the
+    imports form no circle; and every import is at the top of its module (none hides in a function,
+    where it could dodge a circle)."""
+    graph = {p.stem: minagent_imports(p) for p in ENGINE}
+    for i, name in enumerate(PATH):
+        later = graph[name] & set(PATH[i + 1:])
+        assert not later, f"{name}.py imports {sorted(later)}, which come after it"
+    for p in ENGINE:
+        assert minagent_imports(p) == minagent_imports(p, top_level_only=True), f"{p.name}: an import inside code"
+    done, visiting = set(), []
+
+    def visit(name):
+        assert name not in visiting, f"an import circle: {' -> '.join(visiting + [name])}"
+        if name not in done:
+            visiting.append(name)
+            for other in graph.get(name, ()):
+                visit(other)
+            visiting.pop()
+            done.add(name)
+    for name in graph:
+        visit(name)
+    assert "decode" not in graph["train"] and "runner" not in graph["train"]     # training pulls in no decoding

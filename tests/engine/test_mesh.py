@@ -20,6 +20,7 @@ import jax
 import pytest
 
 from minagent import train
+from minagent.mesh import data_mesh
 
 slow = pytest.mark.slow              # each check that starts fresh Python processes: ~30 s each on 2 cores
 
@@ -27,6 +28,8 @@ SETUP = """
 import json, sys
 import jax, numpy as np
 from minagent import lora, model, train
+from minagent.mesh import data_mesh
+from minagent.runner import RunnerConfig
 
 CFG = model.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
 TCFG = train.TrainConfig(steps=5, batch_size=8, seq_len=32, lr=1e-2, warmup=2, log_every=1)
@@ -60,7 +63,7 @@ def result(proc, timeout=600):
 @slow
 def test_data_parallel_and_fsdp_give_the_single_device_losses():
     got = result(python("""
-        mesh = train.data_mesh()
+        mesh = data_mesh()
         assert mesh.size == 8
         shard = train.placement(model.init(jax.random.PRNGKey(0), CFG), mesh, "fsdp")["layers"]["wq"].spec
         explicit = jax.make_mesh((8,), ("data",))           # "explicit" axes: taken as automatic ones
@@ -83,7 +86,7 @@ def test_the_batch_must_split_over_the_devices():
     got = result(python("""
         import dataclasses
         try:
-            losses(train.data_mesh(), tcfg=dataclasses.replace(TCFG, batch_size=6))
+            losses(data_mesh(), tcfg=dataclasses.replace(TCFG, batch_size=6))
         except ValueError as e:
             print(json.dumps(str(e)))
     """))
@@ -104,7 +107,7 @@ def test_two_processes_train_together_as_one():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize("localhost:{port}", num_processes=2, process_id={i})
         assert jax.device_count() == 8 and jax.local_device_count() == 4
-        print(json.dumps(losses(train.data_mesh(), "fsdp")))
+        print(json.dumps(losses(data_mesh(), "fsdp")))
     """
     procs = [python(code.format(port=port, i=i), devices=4) for i in range(2)]
     one = result(python("print(json.dumps(losses()))"))
@@ -124,6 +127,7 @@ def serve(mesh, seed, slots=8, n=1):
     import numpy as np
     from minagent import model
     from minagent.batch import WAITING, Batch
+    from minagent.runner import RunnerConfig
     V = 40
     cfg = model.Config(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
     params = jax.tree.map(lambda w: 4 * w if w.ndim > 1 else w, model.init(jax.random.PRNGKey(0), cfg))
@@ -131,7 +135,8 @@ def serve(mesh, seed, slots=8, n=1):
     # Pages for all 12 on each device (10 each at most): parked sequences keep theirs, and with less a
     # device could hold parked ones that all wait for more pages there, a schedule the caller must break.
     batch = Batch(params, cfg, slots=slots, n_pages=1 + 12 * 10, page_size=4, max_len=40,
-                  buckets=(4, 16), prefill_rows=2, temperature=1.0, pause_tokens=[3], stop_tokens=[4], mesh=mesh)
+                  temperature=1.0, pause_tokens=[3], stop_tokens=[4],
+                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2, mesh=mesh))
     rng = np.random.RandomState(seed)
     ids = [batch.add(list(rng.randint(5, V, rng.randint(1, 20))), int(rng.randint(1, 12))) for _ in range(12)]
     sent, pauses, parks = dict.fromkeys(ids, 0), 0, 0
@@ -171,7 +176,7 @@ def test_several_steps_a_call_give_the_tokens_of_one_step_a_call():
 def test_a_batch_on_a_one_device_mesh_equals_the_plain_batch():
     """The mesh path (shard_map, global page ids) on one device: the same tokens as without a mesh."""
     plain, pauses, parks = serve(None, 0)
-    assert serve(train.data_mesh(jax.devices()[:1]), 0) == (plain, pauses, parks)
+    assert serve(data_mesh(jax.devices()[:1]), 0) == (plain, pauses, parks)
     assert pauses > 0 and parks > 0
 
 
@@ -180,7 +185,7 @@ def test_a_batch_split_over_8_devices_gives_the_single_device_tokens():
     """Slots and pages split over 8 CPU devices (1 and 2 slots each), random schedules with pause,
     send, park and finish: each sequence's tokens as on one device; no page leaks on any device."""
     got = result(python(inspect.getsource(serve) + textwrap.dedent("""
-        mesh = train.data_mesh()
+        mesh = data_mesh()
         assert mesh.size == 8
         out = []
         for seed in range(4):
@@ -207,11 +212,12 @@ def test_new_batch_gives_each_device_the_pages_of_its_own_holders():
         from minagent.tasks.rote import rote
         tok = tk.train("look at this " * 50, vocab_size=300, specials=tk.MINAGENT_SPECIALS)
         params, cfg = rote(tok, "<|assistant|><|call|>look<|result|>")
-        mesh = train.data_mesh()
+        mesh = data_mesh()
         out = {}
         for holders in (None, 12):
-            b = agent.new_batch(params, cfg, tok, chat.MINAGENT, slots=16, max_len=64, holders=holders, mesh=mesh)
-            out[str(holders)] = [b.pool.n_pages, b.pool.devices, pages_for(64, 16)]
+            b = agent.new_batch(params, cfg, tok, chat.MINAGENT, slots=16, max_len=64, holders=holders,
+                                runner=RunnerConfig(mesh=mesh))
+            out[str(holders)] = [b.pool.n_pages, b.pool.n_devices, pages_for(64, 16)]
         records = agent.run(b, tok, chat.MINAGENT, [f"q{i}" for i in range(16)], [lambda c: "ok"] * 16, max_calls=2)
         out["records"] = [len(r.calls) for r in records]
         out["used"] = b.pool.n_used

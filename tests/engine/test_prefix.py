@@ -87,7 +87,7 @@ def test_rewrite_checks_status_and_without_cache_pushes_everything(tok, tiny):
     h = history()
     a = render(h[:3], tok)
     b = render(h[:2] + (CLEARED,), tok)
-    plain = batch(tiny, cache=False)
+    plain = batch(tiny, reuse_cache=False)
     i = plain.add(a, 2)
     with pytest.raises(ValueError, match="only paused"):
         plain.send(i, b, 4)                 # queued

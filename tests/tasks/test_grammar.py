@@ -22,6 +22,7 @@ from minagent.tasks.shop import gate as shop
 from minagent.tasks.shop import grammar as constrain
 from minagent import tokenizer as tk
 from minagent.batch import Batch
+from minagent.runner import RunnerConfig
 from minagent.cache import init_cache
 
 PROSE = ("Where is my order? The shop is open on Monday. Please refund the amount, thanks! "
@@ -276,7 +277,7 @@ def test_constrained_warmup_leaves_nothing_to_compile():
     prompts = [TOK.encode(r.text) for r in shop_data.test_set(0)[:6]]
     limit = constrain.max_chars() + 1
     batch = Batch(PARAMS, CFG, slots=3, n_pages=3 * 5 + 1, page_size=64, max_len=320, stop_tokens=[END],
-                  buckets=(64, 320))
+                  runner=RunnerConfig(buckets=(64, 320)))
     batch.warmup(masked=True)
     warm = batch.compiles
     ids = [batch.add(p, limit, mask=C if i % 2 else None) for i, p in enumerate(prompts)]

@@ -70,14 +70,15 @@ def control_steps(steps, tool_exs, direct_exs):
     return max(1, round(steps * n_tokens(direct_exs) / n_tokens(tool_exs)))
 
 
-def run_missions(params, cfg, tok, ms, direct=False, fmt=FMT, *, slots=64, max_len=256, cache=True, **loop_kw):
+def run_missions(params, cfg, tok, ms, direct=False, fmt=FMT, *, slots=64, max_len=256, reuse_cache=True,
+                 **loop_kw):
     """Each mission's prompt through the agent loop -> records.
 
     direct=True: the toolbox has no tools (every call is an error), as for a model that was
     taught to answer without them.
     """
     boxes = [Toolbox(m.seed, fail_first=m.fail_first, tools=() if direct else None) for m in ms]
-    batch = agent.new_batch(params, cfg, tok, fmt, slots=slots, max_len=max_len, cache=cache)
+    batch = agent.new_batch(params, cfg, tok, fmt, slots=slots, max_len=max_len, reuse_cache=reuse_cache)
     return agent.run(batch, tok, fmt, [m.trace[0] for m in ms], boxes, **loop_kw)
 
 
@@ -126,7 +127,7 @@ def main(argv=None):
     # The cache: the same four-call missions with and without it (greedy: the same tokens either way).
     four = missions.generate(20, seed=args.seed + 3, split="train", families=["sort_ages"])
     cached = run_missions(tool_params, cfg, tok, four)
-    uncached = run_missions(tool_params, cfg, tok, four, cache=False)
+    uncached = run_missions(tool_params, cfg, tok, four, reuse_cache=False)
     pos_c, pos_u = (np.mean([r.positions for r in rs]) for rs in (cached, uncached))
     calls = np.mean([len(r.calls) for r in cached])
     print(f"\nthe paged KV cache, {len(four)} missions of {calls:.1f} calls on average:")

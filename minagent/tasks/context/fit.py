@@ -14,7 +14,7 @@ rounds. What is sent to the model is a **view** computed from the history by `fi
 The history itself is never changed: it keeps everything, and the next view is
 computed from all of it again.
 
-`fit` tries three steps, each only if the one before was not enough (docs/DESIGN.md):
+`fit` tries three steps, each only if the one before was not enough (docs/applications.md, "Context"):
 
   1. clear the oldest tool results, four at a time: each becomes CLEARED_NOTE;
   2. keep whole user turns: the first message, TRIMMED_NOTE, the newest turns that fit;
@@ -72,7 +72,7 @@ KEEP_SHARE = 4     # the newest results that fit in budget / KEEP_SHARE stay who
 
 # Part of the agent's instructions. Without it the agent cannot know that old results will
 # be cleared for it: a sub-agent asked to read 40 long chapters stopped after 2 "to save
-# space", at 100,000 tokens of a 400,000 budget (docs/DESIGN.md, "Context").
+# space", at 100,000 tokens of a 400,000 budget (docs/applications.md, "Context").
 INSTRUCTIONS = ("When the conversation grows beyond what the model can read at once, the oldest tool "
                 "results are cleared and the newest stay whole. So do not stop a long task to save "
                 "space: keep going, and run the tool again (re-read the file) if you need a result "

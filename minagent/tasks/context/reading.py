@@ -1,7 +1,7 @@
 """Long missions: read chapters A to B of a book, one `read` call each, and say which mention a motif.
 
 One mission is one long turn, longer than the budget: the context-window case of a sub-agent
-reading many chapters (docs/DESIGN.md, "Context"). Its gold episode, as chat.Messages (book.py):
+reading many chapters (docs/applications.md, "Context"). Its gold episode, as chat.Messages (book.py):
 
     first   Which of chapters 12 to 15 mention a lighthouse?
     model   <|call|>read 12<|result|>

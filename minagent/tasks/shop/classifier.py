@@ -12,7 +12,7 @@ same model.
 Words it never saw in training weigh nothing: on new phrasings ("Can you track
 A5617 for me?") it falls back on the few words it knows, and on the class bias.
 
-Shape letters (docs/DESIGN.md): B texts, U words of the bag-of-words vocabulary, C classes.
+Shape letters (as in the legend of minagent/model.py): B texts, U words of the bag-of-words vocabulary, C classes.
 """
 
 import random

@@ -31,7 +31,9 @@ the automaton once (next_QxA) and a mask is a vectorised walk of every token's
 characters through that table: `Constraint.allowed(state)` is the tokens whose
 every char keeps the call viable (memoised per state), plus the end token once
 the call is done. Special tokens, and tokens with a byte outside printable ASCII,
-are never allowed.
+are never allowed. Shape letters (beside the legend of minagent/model.py): Q states of
+the automaton, A characters of its alphabet, J characters of the longest token, X the
+tokens that may be allowed at all.
 
     c = Constraint(tok, end_id=tok.special("<|im_end|>"))
     c([])                                # bool [V]: the tokens that may start the answer
@@ -44,7 +46,7 @@ import functools
 import numpy as np
 
 from minagent import chat
-from minagent.batch import Batch
+from minagent.batch import Batch, Status
 from minagent.cache import pages_for
 from minagent.tasks.shop import gate
 
@@ -284,7 +286,7 @@ def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, lim
     constraint=None: free decoding. With a Constraint every answer is a valid call, and the
     default limit (max_chars() + 1 tokens: every token writes at least one char) lets it finish.
     A sequence is finished as soon as it ends, so a queued prompt takes its slot and pages.
-    batch_kw go to the Batch (prefill_rows, buckets, ...).
+    batch_kw go to the Batch (runner=RunnerConfig(prefill_rows=..., buckets=...), ...).
     """
     if constraint is not None and constraint.end_id != end_id:
         raise ValueError(f"end_id {end_id} is not the constraint's end token {constraint.end_id}: "
@@ -303,8 +305,8 @@ def answers(params, cfg, tok, prompts, end_id, constraint=None, *, slots=32, lim
         batch.step()
         for s in seqs:
             status = batch.seqs[s].status
-            if s not in stopped and status in ("stopped", "length"):
-                stopped[s] = status == "stopped"
+            if s not in stopped and status in (Status.STOPPED, Status.LENGTH):
+                stopped[s] = status is Status.STOPPED
                 batch.finish(s)        # its tokens stay readable
     texts = [tok.decode([t for t in batch.seqs[s].tokens[len(p):] if t != end_id]) for s, p in zip(seqs, ids)]
     return texts, [stopped[s] for s in seqs]

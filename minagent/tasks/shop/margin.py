@@ -16,7 +16,7 @@ The refund rule is the same test the other way: an answer that names refund stan
 ask_human by at least its margin; otherwise it is written again as ask_human. A refund is the one
 mistake that costs money, so the model must be sure of it; when it hesitates, a person is asked.
 Measured in experiment 07, it cost more than it saved: the refunds asked for in new words lead by as
-little as the ones called unasked (docs/DESIGN.md, "Tool choice, the validator and the approval gate").
+little as the ones called unasked (docs/applications.md, "Tool choice, the validator and the approval gate").
 What was kept instead asks a second adapter (refund_check.py), and uses with_margin to apply its verdict.
 
 Each rule only looks at answers that name its tool. The exit rule never writes a refund, so the refund

@@ -1,0 +1,240 @@
+"""The device side of a Batch: the weights and the KV cache where the steps read them, the
+jitted steps (on one device or over a mesh), the shapes they compile for, and the count of
+compilations.
+
+The Batch (batch.py) decides which sequences run and which tokens go where; the Runner
+turns those decisions into fixed-shape arrays and runs decode.py's steps on them:
+
+    runner = Runner(params, cfg, RunnerConfig(), slots=8, n_pages=64, page_size=16, max_len=256)
+    runner.prefill({0: (tokens, start, pages), ...})     # rows of new tokens into their pages
+    later, logits_BxV = runner.decode(slots)             # one token for every active slot
+    runner.warmup()                                      # compile every shape now, not on first use
+
+Shapes. A step reads every page in its table's width, so a step gets only as many columns
+as its longest row needs, rounded up to a power of two: 1, 2, 4, ..., W. Reading all W
+pages of every row would cost max_len keys per row per layer; this costs at most twice
+the longest row's length, for at most log2(W) + 1 shapes per step kind. A prefill chunk of
+n tokens is padded to the smallest bucket (16, 64, 256, ...) that holds it.
+
+On a mesh (mesh.py) device d holds its block of slots and its own n_pages pages: page ids
+are global (device d's: d * P to d * P + P - 1, the first its null page), and each device
+reads them as its own, id % P, so jax.shard_map runs the one-device step on each block.
+"""
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import numpy as np
+
+from minagent import decode
+from minagent.cache import NULL_PAGE, init_cache, pages_for
+from minagent.mesh import PAGES, ROWS, WHOLE, automatic
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """How the steps run; none of it changes what a sequence samples.
+
+    prefill_rows   rows a prefill call pushes at once (on each device)
+    buckets        the lengths a prefill chunk is padded to (one compiled shape each)
+    attention      "gather" or "pallas": how a decode step reads a row's pages (decode.extend)
+    cache_dtype    the KV cache's dtype; default: the weights' dtype on a GPU, float32 elsewhere
+                   (XLA on CPU would convert a bfloat16 pool to float32 and back in every layer)
+    per_layer      hold the weights as a list of layers (unstack_layers) rather than stacked;
+                   default: on CPU only
+    mesh           a one-axis "data" mesh of D devices (mesh.data_mesh), or None for one device
+    """
+    prefill_rows: int = 4
+    buckets: tuple = (16, 64, 256, 1024)
+    attention: str = "gather"
+    cache_dtype: str | None = None
+    per_layer: bool | None = None
+    mesh: object = None
+
+
+def unstack_layers(params):
+    """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params
+    with "layers" a list of L per-layer dicts. The Runner does this once on CPU; extend accepts
+    both layouts.
+
+    Why: a scan over stacked weights slices layer l's matrices out of the [L, ...] arrays at
+    every step, and on CPU that slice is a copy. Separate arrays are read where they lie
+    (SmolLM2 on 2 CPU cores: the step at batch 1 takes about two thirds of the scan's time).
+    The price: the step is traced layer by layer, so a deep model compiles more slowly (about
+    ten times longer), and every call passes 9 arrays a layer (SmolLM2: 270), whose dispatch a
+    fast GPU step would feel; so off a CPU the weights stay stacked (RunnerConfig.per_layer).
+    """
+    layers = params["layers"]
+    if isinstance(layers, list):
+        return params
+    n_layers = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda a: a[l], layers) for l in range(n_layers)]}
+
+
+class Runner:
+    """decode.py's steps for `slots` rows over one KV cache of n_pages x page_size (on
+    each device)."""
+
+    def __init__(self, params, cfg, config, *, slots, n_pages, page_size, max_len):
+        rc = config
+        def integer(x):                                 # Python's or numpy's, not a bool
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+        if not rc.buckets or not all(integer(b) and b >= 1 for b in rc.buckets):
+            raise ValueError(f"buckets={rc.buckets!r}: prefill lengths, integers >= 1")
+        if not integer(rc.prefill_rows) or rc.prefill_rows < 1:
+            raise ValueError(f"prefill_rows={rc.prefill_rows!r}: an integer >= 1")
+        if rc.attention not in ("gather", "pallas"):
+            raise ValueError(f"attention={rc.attention!r}: 'gather' or 'pallas'")
+        if rc.attention == "pallas":
+            decode.check_pallas(page_size, cfg.head_dim)
+        self.mesh = None if rc.mesh is None else automatic(rc.mesh)
+        self.n_devices = D = 1 if self.mesh is None else self.mesh.size
+        if self.mesh is not None and (self.mesh.axis_names != ("data",) or slots % D):
+            raise ValueError(f"mesh {dict(self.mesh.shape)} for {slots} slots: one axis, 'data', "
+                             f"dividing the slots")
+        if rc.per_layer if rc.per_layer is not None else jax.default_backend() == "cpu":
+            params = unstack_layers(params)
+        cache_dtype = rc.cache_dtype or (cfg.dtype if jax.default_backend() == "gpu" else "float32")
+        self.params, self.cfg, self.attention = params, cfg, rc.attention
+        self.kv = init_cache(cfg, n_pages * D, page_size, cache_dtype)   # k, v: [L, K, P, Z, H]
+        if self.mesh is not None:                  # device d holds pages d * P ... (d + 1) * P - 1
+            self.kv = jax.device_put(self.kv, jax.sharding.NamedSharding(self.mesh, PAGES))
+            self.params = jax.device_put(self.params, jax.sharding.NamedSharding(self.mesh, WHOLE))
+        self.slots, self.page_size = slots, page_size
+        # More prefill rows than slots would all be padding; no chunk is longer than max_len.
+        self.prefill_rows = min(rc.prefill_rows, slots // D)
+        self.buckets = sorted({min(b, max_len) for b in rc.buckets})
+        W = pages_for(max_len, page_size)
+        self.widths = sorted({min(2 ** i, W) for i in range(W.bit_length() + 1)})
+        self.compiles = 0                          # traces of the jitted steps this runner caused
+
+    def width(self, n_positions):
+        """Page-table columns a step gets for rows of up to n positions: pages_for(n), rounded
+        up to a width."""
+        need = pages_for(n_positions, self.page_size)
+        return next(w for w in self.widths if w >= need)
+
+    def prefill(self, rows):
+        """Push rows of new tokens into their pages, in one call: rows {b: (tokens, start, pages)},
+        b a prefill row (device d's rows: d * prefill_rows ...), the tokens at positions start,
+        start + 1, ... At most the largest bucket of tokens a row; the row's pages must
+        hold them."""
+        n_rows = self.prefill_rows * self.n_devices
+        T = next(t for t in self.buckets if t >= max(len(tokens) for tokens, _, _ in rows.values()))
+        W = self.width(max(start + len(tokens) for tokens, start, _ in rows.values()))
+        tokens_BxT = np.zeros((n_rows, T), np.int32)
+        table_BxW = np.full((n_rows, W), NULL_PAGE, np.int32)
+        # padding rows: n_new 0
+        start_B, n_new_B = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
+        for b, (tokens, start, pages) in rows.items():
+            tokens_BxT[b, :len(tokens)] = tokens
+            start_B[b], n_new_B[b] = start, len(tokens)
+            table_BxW[b, :min(len(pages), W)] = pages[:W]
+        self.kv = self._run(decode.prefill_step, tokens_BxT, start_B, n_new_B, table_BxW)
+
+    def decode(self, slots, temperature=0.0, top_k=0, allowed_BxV=None):
+        """One decode step for every active slot -> (the Slots one token later, logits_BxV
+        on the device)."""
+        # + 1: the pending token's position is written too
+        W = self.width(int(slots.lengths_B[slots.active_B].max(initial=0)) + 1)
+        narrow = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW[:, :W])
+        later, logits_BxV, self.kv = self._run(decode.decode_step, narrow, temperature, top_k,
+                                               allowed_BxV, self.attention)
+        return later, logits_BxV
+
+    def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
+        """n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB
+        on the host)."""
+        reach_B = slots.lengths_B + np.minimum(n, left_B)
+        W = self.width(int(reach_B[slots.active_B].max(initial=0)))
+        narrow = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW[:, :W])
+        later, tokens_NxB, self.kv = self._run(decode.decode_steps, narrow, left_B, ends_V, n,
+                                               temperature, top_k, self.attention)
+        return later, np.asarray(tokens_NxB)
+
+    def warmup(self, temperature=0.0, top_k=0, masked=False):
+        """Compile every shape the steps can use (prefill: bucket x width; decode: width) on
+        idle rows.
+
+        Idle rows (n_new = 0, active False) write only to the null page, so this changes no
+        sequence. masked=True also compiles the decode step with a token mask.
+        """
+        n_rows, B, V = self.prefill_rows * self.n_devices, self.slots, self.cfg.vocab_size
+        for shorter, T in zip([0] + self.buckets, self.buckets):
+            for W in self.widths:
+                # a chunk gets bucket T only if it is longer than `shorter`
+                if W >= self.width(shorter + 1):
+                    zeros_B = np.zeros(n_rows, np.int32)
+                    self.kv = self._run(decode.prefill_step, np.zeros((n_rows, T), np.int32),
+                                        zeros_B, zeros_B, np.zeros((n_rows, W), np.int32))
+        for W in self.widths:
+            idle = decode.Slots.idle(B, W)
+            for allowed in [None] + ([np.ones((B, V), bool)] if masked else []):
+                _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k, allowed,
+                                          self.attention)
+
+    def _run(self, step, *args):
+        """Call a step of decode.py on this runner's weights and cache (over the mesh if there
+        is one)."""
+        before = sum(decode.TRACES.values())
+        if self.mesh is None:
+            out = step(self.params, self.cfg, self.kv, *args)
+        else:
+            out = ON_MESH[step](self.mesh, self.params, self.cfg, self.kv, *args)
+        self.compiles += sum(decode.TRACES.values()) - before
+        return out
+
+
+# ---------------------------------------------------------------- the steps over a mesh of devices
+# Each wraps the one-device step in jax.shard_map: device d gets its block of rows and of pages,
+# and reads the global page ids of its rows' tables as its own, id % P.
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg"), donate_argnames=("cache",))
+def prefill_step_on(mesh, params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+    """decode.prefill_step with rows and pages split over `mesh`: device d takes rows
+    d * B / D ... (d + 1) * B / D - 1."""
+    def part(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+        P = cache["k"].shape[2]
+        return decode.prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B,
+                                   page_table_BxW % P)
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, ROWS, ROWS),
+                         out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B,
+                                          page_table_BxW)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "cfg", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_step_on(mesh, params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None,
+                   attention="gather"):
+    """decode.decode_step with slots and pages split over `mesh`."""
+    def part(params, cache, slots, allowed_BxV):
+        P = cache["k"].shape[2]
+        local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
+        later, logits_BxV, cache = decode.decode_step(params, cfg, cache, local, temperature, top_k,
+                                                      allowed_BxV, attention)
+        return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), logits_BxV, cache
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS),
+                         out_specs=(ROWS, ROWS, PAGES))(params, cache, slots, allowed_BxV)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",),
+                   static_argnames=("mesh", "cfg", "n", "temperature", "top_k", "attention"))
+def decode_steps_on(mesh, params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, top_k=0,
+                    attention="gather"):
+    """decode.decode_steps with slots and pages split over `mesh` (tokens_NxB: split along B)."""
+    def part(params, cache, slots, left_B, ends_V):
+        P = cache["k"].shape[2]
+        local = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW % P)
+        later, tokens_NxB, cache = decode.decode_steps(params, cfg, cache, local, left_B, ends_V, n,
+                                                       temperature, top_k, attention)
+        return dataclasses.replace(later, page_table_BxW=slots.page_table_BxW), tokens_NxB, cache
+    return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, WHOLE),
+                         out_specs=(ROWS, jax.sharding.PartitionSpec(None, "data"), PAGES))(
+                             params, cache, slots, left_B, ends_V)
+
+
+# decode's step -> the same step over a mesh (Runner._run picks from here when it has a mesh)
+ON_MESH = {decode.prefill_step: prefill_step_on, decode.decode_step: decode_step_on,
+           decode.decode_steps: decode_steps_on}
