@@ -1,0 +1,54 @@
+"""Smoke test of benchmarks/bench_agent.py: its --quick run, minagent's two loops alone.
+
+    python -m pytest -m slow tests/experiments/test_bench_agent.py     # a few minutes on 2 cores
+
+The script runs in a subprocess (it is a program, not a module) with --quick --no-ref, so it needs
+neither torch nor llama.cpp, and trains nothing: it uses 03's tool adapter if its checkpoint is
+there, else the base model. The test checks the JSON's structure and that minagent batched and
+minagent one by one wrote the same episodes; not the times, which depend on the machine.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from conftest import FAST_COMPILE
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LOOPS = ("minagent batched", "minagent one by one")
+
+
+@pytest.mark.slow
+def test_bench_agent_quick(tmp_path, smollm2_gguf):
+    out = tmp_path / "agent.json"
+    # The script times real models: without conftest's flag that turns XLA's optimisations off.
+    xla_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "XLA_FLAGS": xla_flags,
+           "MINAGENT_SMOLLM2": str(smollm2_gguf)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_agent.py"), "--quick", "--no-ref",
+                           "--episodes", "4", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+
+    assert set(result) >= {"cpu", "workload", "weights", "logit_checks", "runs", "reference", "versions"}
+    assert result["cpu"]["model"] and set(result["cpu"]["flags"]) >= {"avx512f", "avx512_vnni", "amx_int8"}
+    assert result["workload"]["episodes"] == 4 and result["quick"] is True
+    ((threads, loops),) = result["runs"].items()             # --quick: one thread setting, all cores
+    assert int(threads) == len(os.sched_getaffinity(0))
+    assert set(loops) == set(LOOPS)
+    for name in LOOPS:
+        f = loops[name]
+        assert f["seconds"] > 0 and f["episodes_per_s"] > 0 and f["positions"] > 0
+        assert f["compiles_while_timed"] == 0                  # the warm-up compiled every shape the run uses
+        assert set(f["time_split"]) == {"model (jitted calls)", "Batch host work", "loop host work",
+                                        "tools (in worker threads)"}
+        # The same greedy episodes, batched or one at a time: same tokens, calls and answers.
+        assert f["identical"] == f["same_tokens"] == 4 and f["parted"] == []
+    assert loops["minagent batched"]["minagent_batched_speedup"] == 1.0
+    # Both loops push the same positions: each episode's own tokens, whatever shares its batch.
+    assert loops["minagent batched"]["positions"] == loops["minagent one by one"]["positions"]
+    assert "minagent batched" in proc.stdout and "identical" in proc.stdout
