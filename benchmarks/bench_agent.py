@@ -1,11 +1,12 @@
 """How long do 64 agent episodes take on a CPU: one workload, the same weights, several loops.
 
-    python benchmarks/bench_agent.py                  # 64 episodes, 1 and 2 threads, every loop: ~30 min on 2 cores
+    python benchmarks/bench_agent.py                  # 64 episodes, 1 and 2 threads, every loop: ~25 min
     python benchmarks/bench_agent.py --quick          # 4 episodes, all cores: a smoke test, a few minutes
     python benchmarks/bench_agent.py --quick --no-ref # minagent's two loops alone: no torch, no llama.cpp
     python benchmarks/bench_agent.py --quick --train-steps 2  # try the training path (a 2-step adapter, own checkpoint)
 
-(Times on 2 CPU cores; a full run trains the adapter first if it is not there: ~15 more minutes.)
+(Times on 2 idle CPU cores, estimated from runs beside other work: the one-thread half took 10 min; a
+full run first trains the adapter if 03's checkpoint is not there: 12 more minutes.)
 
 The workload: SmolLM2-135M-Instruct with <|call|> and <|result|> added (ids 49152, 49153) and the
 "tool" LoRA adapter of experiments/03_calculator.py merged into its weights (lora.merge), greedy,
@@ -58,7 +59,9 @@ minagent's and torch's are (its default, float16, moves the logits by ~2e-2).
 Writes benchmarks/results/agent.json (--out elsewhere; --quick writes only where --out says).
 Needs the `ref` extra for transformers and llama.cpp (pyproject.toml says how to build llama.cpp);
 a loop whose library is missing is skipped, with the reason printed. Run it on an idle machine:
-other work on the cores slows torch's threads most.
+with other work on the cores, torch's and llama.cpp's threads wait for each other, and two of them
+can run ten times slower or more (beside a training job, transformers' two-thread run of the 64
+episodes had not ended after 17 minutes; at one thread it took 93 s).
 """
 
 import argparse
