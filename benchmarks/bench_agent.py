@@ -56,6 +56,11 @@ model's forward calls (llama.cpp: Llama.eval), the host work around them and the
 named, with its avx512f / avx512_vnni / amx_int8 flags. llama.cpp's KV cache is float32, as
 minagent's and torch's are (its default, float16, moves the logits by ~2e-2).
 
+--int8: the same workload with int8 weights, dtype for dtype: minagent's int8.quantize (one scale
+an output row, activations in two int8 parts) against llama.cpp on the merged weights written as Q8_0
+(one scale a block of 32); transformers is left out. The two round differently, so their episodes
+may part where float32's agree; the bench says where.
+
 Writes benchmarks/results/agent.json (--out elsewhere; --quick writes only where --out says).
 Needs the `ref` extra for transformers and llama.cpp (pyproject.toml says how to build llama.cpp);
 a loop whose library is missing is skipped, with the reason printed. Run it on an idle machine:
@@ -89,7 +94,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minagent import agent, chat, decode, lora, model, tokenfile, train, weights  # noqa: E402
+from minagent import agent, chat, decode, int8, lora, model, tokenfile, train, weights  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
 from minagent.tasks.calculator import demo, missions  # noqa: E402
 from minagent.tools import Toolbox  # noqa: E402
@@ -116,6 +121,9 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=512, help="tokens an episode may hold, in every loop")
     p.add_argument("--gguf-type", choices=("f32", "f16", "q8_0"), default="f32",
                    help="the merged weights as llama.cpp reads them (f32: the same numbers as the others)")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weights, dtype for dtype: minagent's int8.quantize against llama.cpp's q8_0 "
+                        "(transformers is left out)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="train the adapter this many steps instead of 03's (its own checkpoint): to try the path")
     p.add_argument("--no-ref", action="store_true", help="minagent's loops alone: no torch, no llama.cpp")
@@ -129,6 +137,9 @@ def parse_args(argv=None):
         args.threads = [len(os.sched_getaffinity(0))] if args.quick else [1, 2]
     if args.no_ref:
         args.loops = [name for name in args.loops if name.startswith("minagent")]
+    if args.int8:                  # one int8 weight format each: minagent's, and llama.cpp's Q8_0
+        args.gguf_type = "q8_0"
+        args.loops = [name for name in args.loops if not name.startswith("transformers")]
     if REFERENCE not in args.loops:                  # every loop is compared with it
         args.loops.insert(0, REFERENCE)
     return args
@@ -602,6 +613,8 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
     model, built once for both of its loops)."""
     if name.startswith("minagent"):
         slots = plan["episodes"] if name == "minagent batched" else 1
+        if plan.get("int8"):
+            params = shared.setdefault("int8", int8.quantize(params))
         return minagent_loop(params, cfg, tok, slots, plan["max_len"], compile_shapes=plan["warmup"] == "shapes")
     if name.startswith("transformers"):
         import torch
@@ -771,7 +784,8 @@ def main(argv=None):
         gguf_path = export_gguf(params, cfg, tok, args, tmp, loops, skipped, about)
         checks = logit_checks(params, cfg, tok, ms, gguf_path, loops)
         plan = {"params": str(tmp / "params.npz"), "gguf": str(gguf_path), "loops": loops, "seed": args.seed,
-                "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes"}
+                "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes",
+                "int8": args.int8}
         runs = {threads: run_worker(plan, threads, tmp) for threads in args.threads}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -794,7 +808,9 @@ def main(argv=None):
     print(f"{minutes:.1f} minutes")
     result = {"cpu": cpu, "load_average_before": load_before, "load_average_after": load_after,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "minutes": minutes,
-              "workload": {"model": "SmolLM2-135M-Instruct, float32, greedy", "weights": weights_used,
+              "workload": {"model": "SmolLM2-135M-Instruct, "
+                           + ("int8 (minagent) / Q8_0 (llama.cpp)" if args.int8 else "float32") + ", greedy",
+                           "weights": weights_used,
                            "episodes": args.episodes, "families": FAMILIES, "seed": args.seed, "split": "test",
                            "max_len": args.max_len, "max_calls": agent.MAX_CALLS, "max_stretch": agent.MAX_STRETCH,
                            "right_answers": right, "calls_per_episode": float(np.mean(calls))},

@@ -354,3 +354,23 @@ def test_bfloat16_weights_with_either_cache():
         if cache_dtype == "bfloat16":
             np.testing.assert_allclose(got, ref16, atol=1e-5, rtol=0)
         assert np.abs(got - ref32).max() < 0.05 * np.abs(ref32).max()
+
+
+def test_the_module_docstrings_example_runs():
+    """batch.py's usage example, as written: step, and send the paused sequence its result (every
+    token pauses here, so each step ends a stretch); the last send is followed by finish()."""
+    from minagent.batch import Status
+    ASSISTANT, result = 4, [5, 6]
+    batch = Batch(PARAMS, CFG, slots=2, page_size=4, max_len=64, pause_tokens=range(V), stop_tokens=[])
+    i = batch.add([1, 2], limit=40)
+    sends = 0
+    while batch.running():
+        batch.step()
+        if batch.seqs[i].status is Status.PAUSED:
+            if sends == 3:
+                batch.finish(i)
+                break
+            batch.send(i, batch.seqs[i].tokens + result + [ASSISTANT], limit=40)
+            sends += 1
+    assert sends == 3 and batch.seqs[i].status is Status.FINISHED and batch.pool.n_used == 0
+    assert batch.seqs[i].tokens[:2] == [1, 2] and len(batch.seqs[i].tokens) == 2 + 3 * 4 + 1
