@@ -313,7 +313,7 @@ def write_gguf(params, cfg, tok, base_path, out_path, qtype="f32"):
         if quant is None:
             writer.add_tensor(name, w.astype(dtype))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(w, quant), raw_shape=w.shape, raw_dtype=quant)
+            writer.add_tensor(name, gguf.quants.quantize(w, quant), raw_dtype=quant)   # its shape: bytes a row
 
     theirs = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "w_gate": "ffn_gate",
               "w_up": "ffn_up", "w_down": "ffn_down", "attn_norm": "attn_norm", "mlp_norm": "ffn_norm"}

@@ -14,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minagent import model
-from minagent.batch import Batch
+from minagent.batch import Batch, Stuck
 from minagent.runner import RunnerConfig
-from minagent.batch import Stuck
 from minagent.cache import pages_for
 
 V = 40
@@ -343,7 +342,7 @@ def test_bfloat16_weights_with_either_cache():
     prompt = [(3 * j) % V for j in range(20)]
     for cache_dtype in ("bfloat16", "float32"):
         batch = Batch(params16, cfg16, slots=2, n_pages=20, page_size=4, max_len=64, keep_logits=True,
-                      cache_dtype=cache_dtype)
+                      runner=RunnerConfig(cache_dtype=cache_dtype))
         i = batch.add(prompt, 12)
         while batch.running():
             batch.step()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from minagent import int8, model
-from minagent.batch import Batch
+from minagent.batch import Batch, Status
+from minagent.runner import RunnerConfig
 
 V = 40
 
@@ -77,15 +78,15 @@ def test_paged_steps_with_int8_weights_equal_forward_with_them(per_layer):
     params, cfg = tiny_model()
     q = int8.quantize(params)
     prompts = [[7], [5, 6, 7, 8, 9], [(3 * j) % V for j in range(23)]]
-    batch = Batch(q, cfg, slots=2, n_pages=30, page_size=4, max_len=64, buckets=(4, 16), per_layer=per_layer,
-                  keep_logits=True)
+    batch = Batch(q, cfg, slots=2, n_pages=30, page_size=4, max_len=64, keep_logits=True,
+                  runner=RunnerConfig(buckets=(4, 16), per_layer=per_layer))
     layers = batch.runner.params["layers"]
     assert isinstance((layers[0] if per_layer else layers)["wq"], int8.Int8)
     ids = [batch.add(p, 10) for p in prompts]
     while batch.running():
         batch.step()
         for i in ids:
-            if batch.seqs[i].status == "length":
+            if batch.seqs[i].status is Status.LENGTH:
                 batch.finish(i)
     for i, p in zip(ids, prompts):
         tokens = batch.seqs[i].tokens
