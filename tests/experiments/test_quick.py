@@ -96,6 +96,39 @@ def test_cached_trains_once_per_recipe(common):
     assert common.cached("m", {"steps": 1}, train_fn, retrain=True)["cached"] is False
 
 
+# ---------------------------------------------------------------- the demo, `python -m minagent`
+
+@pytest.mark.slow
+def test_demo_trains_once_then_loads_its_models(tmp_path):
+    """A rough demo (2 steps) twice with one cache folder: the first run trains and saves the two
+    models, the second loads them and gives the same numbers; a corrupt file is trained again."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()}
+
+    def demo(out):
+        args = ["--steps", "2", "--missions", "300", "--additions", "4", "--cache-dir", str(tmp_path / "cache"),
+                "--out", str(tmp_path / out)]
+        proc = subprocess.run([sys.executable, "-m", "minagent", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.stdout, json.loads((tmp_path / out).read_text())
+
+    first_out, first = demo("first.json")
+    assert "training the tool user" in first_out and "cached" not in first_out
+    ckpts = sorted((tmp_path / "cache").glob("demo-*.ckpt"))
+    assert [p.name.rsplit("-", 1)[1] for p in ckpts] == ["direct.ckpt", "tool.ckpt"]
+    second_out, second = demo("second.json")
+    assert "cached" in second_out and "training" not in second_out
+    del first["minutes"], second["minutes"]
+    assert second == first
+
+    ckpts[1].write_bytes(ckpts[1].read_bytes()[:100])        # cut short: not loaded, trained again
+    third_out, third = demo("third.json")
+    assert "not using the cached models" in third_out and "training the tool user" in third_out
+    del third["minutes"]
+    assert third == first
+
+
 # ---------------------------------------------------------------- 01: how numbers split
 
 @pytest.mark.slow

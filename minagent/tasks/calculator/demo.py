@@ -1,6 +1,7 @@
 """The demo, `python -m minagent`: a model that cannot add, given a calculator.
 
     python -m minagent               # a few minutes on 2 CPU cores, nothing to download
+    python -m minagent               # again: the trained models are cached, under a minute
     python -m minagent --steps 100   # a rougher, faster run
 
 1. Generate training missions and train a BPE on their text.
@@ -13,10 +14,15 @@
 4. Print both accuracies, one transcript with the program's tokens told apart
    from the model's, and how many positions the paged KV cache saved.
 
+The two trained models and their tokenizer are kept in ~/.cache/minagent/demo/ (--cache-dir), under
+a name that hashes the arguments and minagent's source files: a second run loads them and goes
+straight to step 3; change the code or an argument and they are trained again (--retrain forces it).
+
 The recipes here are shared with experiments/03_calculator.py and 04_recovery.py.
 """
 
 import argparse
+import hashlib
 import json
 import pathlib
 import time
@@ -70,6 +76,43 @@ def control_steps(steps, tool_exs, direct_exs):
     return max(1, round(steps * n_tokens(direct_exs) / n_tokens(tool_exs)))
 
 
+def cache_name(args):
+    """demo-HASH: HASH of the arguments that change the models and of every source file of minagent
+    (missions, tokenizer, model, trainer): what was cached by other code is never loaded."""
+    digest = hashlib.sha256(json.dumps([args.steps, args.missions, args.seed]).encode())
+    for path in sorted(pathlib.Path(model.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return f"demo-{digest.hexdigest()[:12]}"
+
+
+def trained_models(args):
+    """(tool_params, direct_params, cfg, tok, direct_steps): loaded from the cache folder, or trained
+    (steps 1 and 2 of the module docstring) and saved there."""
+    folder, name = pathlib.Path(args.cache_dir).expanduser(), cache_name(args)
+    paths = [folder / f"{name}-{model_name}.ckpt" for model_name in ("tool", "direct")]
+    if not args.retrain and all(path.exists() for path in paths):
+        try:
+            tool, direct = (train.load_checkpoint(path) for path in paths)
+            print(f"the trained models, cached in {folder / name}-{{tool,direct}}.ckpt")
+            return tool["params"], direct["params"], tool["cfg"], tool["tokenizer"], direct["step"]
+        except ValueError as e:   # a file cut short or corrupt: train again, and overwrite it
+            print(f"not using the cached models: {e}")
+
+    train_ms = missions.generate(args.missions, seed=args.seed + 1, split="train", families=FAMILIES)
+    tok = mission_tokenizer(train_ms)
+    print(f"{len(train_ms)} training missions, BPE of {tok.n_vocab} ids")
+    tool_exs, direct_exs = examples(train_ms, tok), examples(train_ms, tok, direct=True)
+    direct_steps = control_steps(args.steps, tool_exs, direct_exs)
+    print(f"\ntraining the tool user ({args.steps} steps)")
+    tool_params, cfg, _ = train_small(tool_exs, tok, args.steps, args.seed)
+    print(f"training the control, which answers directly ({direct_steps} steps: as many passes over the data)")
+    direct_params, _, _ = train_small(direct_exs, tok, direct_steps, args.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, params, steps in zip(paths, (tool_params, direct_params), (args.steps, direct_steps)):
+        train.save_checkpoint(path, params, None, cfg, small_tcfg(steps, args.seed), steps, tokenizer=tok)
+    return tool_params, direct_params, cfg, tok, direct_steps
+
+
 def run_missions(params, cfg, tok, ms, direct=False, fmt=FMT, *, slots=64, max_len=256, reuse_cache=True,
                  **loop_kw):
     """Each mission's prompt through the agent loop -> records.
@@ -94,22 +137,16 @@ def main(argv=None):
     p.add_argument("--additions", type=int, default=200, help="4-digit additions to test on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the numbers to this JSON file")
+    p.add_argument("--cache-dir", default="~/.cache/minagent/demo", help="where the trained models are kept")
+    p.add_argument("--retrain", action="store_true", help="train the models even if they are cached")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
 
-    train_ms = missions.generate(args.missions, seed=args.seed + 1, split="train", families=FAMILIES)
-    tok = mission_tokenizer(train_ms)
+    tool_params, direct_params, cfg, tok, direct_steps = trained_models(args)
     # The additions use the training phrasings ("Add 3959 and 3360."), with fresh numbers: a model that
     # has read only these missions knows no other English. Held-out phrasings: experiments/03.
     test_ms = missions.additions(args.additions, seed=args.seed + 2, split="train")
-    print(f"{len(train_ms)} training missions, BPE of {tok.n_vocab} ids, {len(test_ms)} additions to test")
-
-    tool_exs, direct_exs = examples(train_ms, tok), examples(train_ms, tok, direct=True)
-    direct_steps = control_steps(args.steps, tool_exs, direct_exs)
-    print(f"\ntraining the tool user ({args.steps} steps)")
-    tool_params, cfg, _ = train_small(tool_exs, tok, args.steps, args.seed)
-    print(f"training the control, which answers directly ({direct_steps} steps: as many passes over the data)")
-    direct_params, _, _ = train_small(direct_exs, tok, direct_steps, args.seed)
+    print(f"{len(test_ms)} additions to test")
 
     with_tool = run_missions(tool_params, cfg, tok, test_ms)
     control = run_missions(direct_params, cfg, tok, test_ms, direct=True)
