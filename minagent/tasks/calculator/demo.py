@@ -132,7 +132,7 @@ def accuracy(records, ms):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minagent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=700, help="training steps for the tool user")
+    p.add_argument("--steps", type=int, default=800, help="training steps for the tool user")
     p.add_argument("--missions", type=int, default=20000, help="training missions")
     p.add_argument("--additions", type=int, default=200, help="4-digit additions to test on")
     p.add_argument("--seed", type=int, default=0)
