@@ -132,7 +132,10 @@ def accuracy(records, ms):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minagent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=800, help="training steps for the tool user")
+    # 800 steps: at 500 the model copied results right 200 times in 200 on one CPU and 167 on another
+    # (another float order); 800 gives 200 / 200 on both (experiments/LOG.md, 2026-12-03).
+    p.add_argument("--steps", type=int, default=800,
+                   help="training steps for the tool user (the control: as many passes over its data)")
     p.add_argument("--missions", type=int, default=20000, help="training missions")
     p.add_argument("--additions", type=int, default=200, help="4-digit additions to test on")
     p.add_argument("--seed", type=int, default=0)
