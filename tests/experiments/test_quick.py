@@ -26,13 +26,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+def script_env():
+    """The environment a script runs in: it runs (not only compiles) models, so without conftest's flag
+    that turns XLA's optimisations off."""
+    xla_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
+    return {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "XLA_FLAGS": xla_flags}
+
+
 def run_quick(script, tmp_path, folder="experiments", extra=()):
     out = tmp_path / (pathlib.Path(script).stem + ".json")
-    # The scripts run (not only compile) models: without conftest's flag that turns XLA's optimisations off.
-    xla_flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "XLA_FLAGS": xla_flags}
     proc = subprocess.run([sys.executable, str(ROOT / folder / script), "--quick", "--out", str(out), *extra],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -102,13 +106,10 @@ def test_cached_trains_once_per_recipe(common):
 def test_demo_trains_once_then_loads_its_models(tmp_path):
     """A rough demo (2 steps) twice with one cache folder: the first run trains and saves the two
     models, the second loads them and gives the same numbers; a corrupt file is trained again."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE, "").strip()}
-
     def demo(out):
         args = ["--steps", "2", "--missions", "300", "--additions", "4", "--cache-dir", str(tmp_path / "cache"),
                 "--out", str(tmp_path / out)]
-        proc = subprocess.run([sys.executable, "-m", "minagent", *args], cwd=tmp_path, env=env,
+        proc = subprocess.run([sys.executable, "-m", "minagent", *args], cwd=tmp_path, env=script_env(),
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         return proc.stdout, json.loads((tmp_path / out).read_text())
