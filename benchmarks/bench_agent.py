@@ -53,7 +53,17 @@ calls, the Batch's host work around them (batch.step less those), the loop's hos
 and the tools (in worker threads beside the loop), each timed by wrapping from the outside (the
 jitted calls are waited for, so their time is counted where it is spent); for the others the
 model's forward calls (llama.cpp: Llama.eval), the host work around them and the tools. The CPU is
-named, with its avx512f / avx512_vnni / amx_int8 flags. llama.cpp's KV cache is float32, as
+named, with its avx512f / avx512_vnni / amx_int8 flags.
+
+Inside the model's time, every loop's calls are split into decode calls (one new token a row) and
+prefill calls (more: prompts, and results appended on resume), with their count, seconds, and how
+much of what they computed held something: rows with a sequence (minagent's fixed-shape steps
+compute every slot) and positions with a token (its prefill pads chunks to a length bucket). Bytes
+per token against bandwidth, for the decode calls: each worker first reads a 512 MiB matrix with a
+jitted matrix-vector product (the bandwidth a decode step can reach on its cores) and times the float32
+model's matrix-vector products alone at batch 1, in one jitted call (the floor XLA's kernels put under
+a decode call); a loop's decode calls then read weight bytes x calls / seconds, where a call at batch
+1 reads every weight once (the weights: minagent's Runner's arrays, torch's parameters, the GGUF file). llama.cpp's KV cache is float32, as
 minagent's and torch's are (its default, float16, moves the logits by ~2e-2).
 
 --int8: the same workload with int8 weights, dtype for dtype: minagent's int8.quantize (one scale
@@ -384,6 +394,14 @@ class Clock:
     def __init__(self):
         self.seconds, self.lock = collections.Counter(), threading.Lock()   # tools add from worker threads
         self.positions = 0
+        # model calls by kind, "decode" (one new token a row) or "prefill" (more): calls, seconds, rows
+        # computed and rows that held a sequence, token positions computed and positions that held a token
+        self.calls = collections.defaultdict(collections.Counter)
+
+    def model_call(self, kind, seconds, rows, real_rows, positions, real_positions):
+        c = self.calls[kind]
+        c.update(calls=1, seconds=seconds, rows=rows, real_rows=real_rows, positions=positions,
+                 real_positions=real_positions)
 
     def wrap(self, key, fn, blocking=False):
         def timed(*args, **kw):
@@ -427,8 +445,24 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
         clock = Clock()
         real = batch.step, decode.prefill_step, decode.decode_step
         batch.step = clock.wrap("batch.step", real[0])
-        decode.prefill_step = clock.wrap("jit", real[1], blocking=True)
-        decode.decode_step = clock.wrap("jit", real[2], blocking=True)
+        prefill_jit, decode_jit = clock.wrap("jit", real[1], blocking=True), clock.wrap("jit", real[2], blocking=True)
+
+        def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW):
+            t0 = time.perf_counter()
+            out = prefill_jit(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW)
+            n_new_B = np.asarray(n_new_B)
+            clock.model_call("prefill", time.perf_counter() - t0, len(n_new_B), int((n_new_B > 0).sum()),
+                             tokens_BxT.size, int(n_new_B.sum()))
+            return out
+
+        def decode_step(params, cfg, cache, slots, *args):
+            t0 = time.perf_counter()
+            out = decode_jit(params, cfg, cache, slots, *args)
+            active = int(np.asarray(slots.active_B).sum())
+            clock.model_call("decode", time.perf_counter() - t0, len(slots.active_B), active, len(slots.active_B),
+                             active)
+            return out
+        decode.prefill_step, decode.decode_step = prefill_step, decode_step
         try:
             boxes = toolboxes(ms, clock)
             prompts = [m.trace[0] for m in ms]
@@ -517,7 +551,9 @@ def transformers_generate(hf, tok, cached):
             clock.positions += kwargs["input_ids"].shape[1]
 
         def after(module, args, kwargs, output):
-            clock.seconds["model"] += time.perf_counter() - t0["forward"]
+            seconds, n = time.perf_counter() - t0["forward"], kwargs["input_ids"].shape[1]
+            clock.seconds["model"] += seconds
+            clock.model_call("decode" if n == 1 else "prefill", seconds, 1, 1, n, n)
 
         def generate(tokens):
             ids = torch.tensor([tokens])
@@ -552,7 +588,9 @@ def llama_cpp_generate(llm, tok):
             clock.positions += len(tokens)
             t0 = time.perf_counter()
             real_eval(llm, tokens)
-            clock.seconds["model"] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            clock.seconds["model"] += seconds
+            clock.model_call("decode" if len(tokens) == 1 else "prefill", seconds, 1, 1, len(tokens), len(tokens))
         llm.eval = timed_eval
 
         def generate(tokens):
@@ -580,6 +618,9 @@ def worker(plan_path, out_path):
     tok = smollm2_tokenizer()
     ms = missions.generate(plan["episodes"], seed=plan["seed"], split="test", families=FAMILIES, fmt=FMT)
     results, shared = {}, {}
+    bandwidth, (bare_s, bare_bytes) = read_bandwidth(), bare_products(params, cfg)
+    print(f"[{threads} thread(s)] reading a 512 MiB matrix (a jitted matrix-vector product): "
+          f"{bandwidth / 1e9:.1f} GB/s; the model's matrix-vector products alone: {bare_s * 1e3:.1f} ms", flush=True)
     for name in plan["loops"]:
         say = functools.partial(print, f"[{threads} thread(s)] {name}:", flush=True)
         say("warming up")
@@ -596,7 +637,9 @@ def worker(plan_path, out_path):
         cpu0, t0 = time.process_time(), time.perf_counter()
         episodes, clock = run(ms)
         wall = time.perf_counter() - t0
-        res.update(seconds=wall, cpu_seconds=time.process_time() - cpu0, episodes=episodes, clock=dict(clock.seconds))
+        res.update(seconds=wall, cpu_seconds=time.process_time() - cpu0, episodes=episodes, clock=dict(clock.seconds),
+                   model_calls={kind: dict(c) for kind, c in clock.calls.items()},
+                   weight_bytes=weight_bytes(name, run, shared, plan))
         if minagent:
             res["compiles_while_timed"] = run.batch.compiles - res["compiles"]
         results[name] = res
@@ -605,7 +648,61 @@ def worker(plan_path, out_path):
     for module in ("torch", "transformers", "llama_cpp"):
         if module in sys.modules:
             versions[module] = sys.modules[module].__version__
-    pathlib.Path(out_path).write_text(json.dumps({"threads": threads, "loops": results, "versions": versions}))
+    pathlib.Path(out_path).write_text(json.dumps({"threads": threads, "loops": results, "versions": versions,
+                                                  "bandwidth": bandwidth, "bare_products": [bare_s, bare_bytes]}))
+
+
+def read_bandwidth(repeats=5):
+    """Bytes per second these cores read weights at, as a decode step reads them: a jitted
+    matrix-vector product over a 512 MiB float32 matrix, the best of `repeats` runs. The roofline
+    of a step at batch 1, which must read every weight once per token."""
+    w_IxO, x_I = jnp.ones((8192, 16384), jnp.float32), jnp.ones((8192,), jnp.float32)
+    product = jax.jit(lambda x, w: x @ w)
+    product(x_I, w_IxO).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        product(x_I, w_IxO).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return w_IxO.nbytes / best
+
+
+def bare_products(params, cfg, repeats=5):
+    """Seconds of a decode step's matrix-vector products alone, float32, at batch 1: a vector through
+    every layer's q, k, v, o, gate, up and down matrices in the step's order (each layer's input is
+    the last one's output) and then the output head, one jitted call, the matrices as separate arrays
+    (as the Runner holds them on CPU); the best of `repeats`. No attention, no cache, no norms: the
+    floor that XLA's CPU kernels put under a decode call. -> (seconds, bytes of those matrices)."""
+    layers = [{k: jnp.array(params["layers"][k][l]) for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+              for l in range(cfg.n_layers)]
+    head_DxV = jnp.array(params["embed"].T)
+
+    def products(layers, head_DxV):
+        x_1xD = jnp.ones((1, cfg.d_model), head_DxV.dtype)
+        for w in layers:
+            q, k, v = x_1xD @ w["wq"], x_1xD @ w["wk"], x_1xD @ w["wv"]
+            x_1xD = x_1xD + 1e-3 * (q @ w["wo"]) + 1e-9 * (k.sum() + v.sum())
+            x_1xD = x_1xD + 1e-3 * ((x_1xD @ w["w_gate"]) * (x_1xD @ w["w_up"])) @ w["w_down"]
+        return x_1xD @ head_DxV
+    products = jax.jit(products)
+    products(layers, head_DxV).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        products(layers, head_DxV).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best, sum(a.nbytes for a in jax.tree.leaves((layers, head_DxV)))
+
+
+def weight_bytes(name, run, shared, plan):
+    """Bytes of weights a decode step at batch 1 reads: every matrix once (the tied embedding table
+    too, as the output head). minagent: its Runner's params (int8 with their scales under --int8);
+    transformers: its model's parameters; llama.cpp: the GGUF file (its header is a few MB)."""
+    if name.startswith("minagent"):
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(run.batch.runner.params))
+    if name.startswith("transformers"):
+        return sum(t.numel() * t.element_size() for t in shared["hf"].parameters())
+    return pathlib.Path(plan["gguf"]).stat().st_size
 
 
 def make_loop(name, params, cfg, tok, threads, plan, shared):
@@ -687,6 +784,12 @@ def figures(res, n):
            "positions_per_s": positions / wall, "cpu_seconds": res["cpu_seconds"],
            "calls": sum(len(e["calls"]) for e in res["episodes"]), "identical": res["identical"],
            "same_tokens": res["same_tokens"], "parted": res["parted"], "warmup_s": res["warmup_s"]}
+    out["model_calls"] = calls = res.get("model_calls", {})
+    decoding = calls.get("decode")
+    if decoding and decoding["seconds"] > 0 and res.get("weight_bytes"):
+        # weights read per second by the decode calls, as if each read every weight once (true at batch 1)
+        out["weight_bytes"] = res["weight_bytes"]
+        out["decode_bytes_per_s"] = res["weight_bytes"] * decoding["calls"] / decoding["seconds"]
     if "compiles" in res:
         step, jit, tools = (clock.get(k, 0.0) for k in ("batch.step", "jit", "tools"))
         out.update(compile_s=res["compile_s"], compiles_warmup=res["compiles"],
@@ -726,6 +829,29 @@ def report(runs, n, ref_threads):
         for name, f in loops.items():
             parts = ", ".join(f"{k} {v:.2f} ({v / f['seconds']:.0%})" for k, v in f["time_split"].items())
             print(f"{threads:>7} {name:<22} {parts}")
+    print("\nthe model's calls in the timed run: decode (one new token a row), prefill (more: prompts, results);"
+          "\nrows / positions: the share of the rows / token positions computed that held a sequence / a token;"
+          "\nGB/s: weight bytes x decode calls / their seconds (a decode call at batch 1 reads every weight once),"
+          "\nagainst the probe (a jitted matrix-vector product reading 512 MiB, the same threads)")
+    for threads, loops in table.items():
+        probe = runs[threads].get("bandwidth")
+        for name, f in loops.items():
+            parts = []
+            for kind in ("decode", "prefill"):
+                c = f["model_calls"].get(kind)
+                if c:
+                    parts.append(f"{kind} {c['calls']} calls {c['seconds']:.1f} s ({1e3 * c['seconds'] / c['calls']:.1f} ms "
+                                 f"each), rows {c['real_rows'] / c['rows']:.0%}, positions "
+                                 f"{c['real_positions'] / c['positions']:.0%}")
+            if "decode_bytes_per_s" in f:
+                share = f" = {f['decode_bytes_per_s'] / probe:.0%} of {probe / 1e9:.1f}" if probe else ""
+                parts.append(f"{f['weight_bytes'] / 2**20:.0f} MiB of weights, {f['decode_bytes_per_s'] / 1e9:.1f} "
+                             f"GB/s{share}")
+            print(f"{threads:>7} {name:<22} " + "; ".join(parts))
+        if runs[threads].get("bare_products"):
+            bare_s, bare_bytes = runs[threads]["bare_products"]
+            print(f"{threads:>7} the model's matrix-vector products alone (float32, one jitted call, no attention): "
+                  f"{bare_s * 1e3:.1f} ms ({bare_bytes / bare_s / 1e9:.1f} GB/s)")
     for threads, loops in table.items():
         for name, f in loops.items():
             for p in f["parted"]:
@@ -816,6 +942,8 @@ def main(argv=None):
                            "right_answers": right, "calls_per_episode": float(np.mean(calls))},
               "weights": about, "skipped": skipped, "logit_checks": checks,
               "versions": {t: r["versions"] for t, r in runs.items()}, "runs": table,
+              "read_bandwidth": {t: r.get("bandwidth") for t, r in runs.items()},
+              "bare_products_s_bytes": {t: r.get("bare_products") for t, r in runs.items()},
               "reference": {"loop": REFERENCE, "threads": ref_threads}}
     out = pathlib.Path(args.out) if args.out else None if args.quick else RESULTS
     if out is not None:

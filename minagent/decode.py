@@ -5,7 +5,7 @@ model, starting at each row's current length, and writes their keys and values
 into the row's pages. The jitted steps are uses of it:
 
     prefill_step   extend over B rows of T tokens, T from a few length buckets
-                   (16, 64, 256, ...): prompts, and tokens appended on resume
+                   (8, 16, 32, ...): prompts, and tokens appended on resume
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
     decode_steps   n decode steps in one call, a slot stopping on its own when it
