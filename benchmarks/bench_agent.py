@@ -59,12 +59,15 @@ Inside the model's time, every loop's calls are split into decode calls (one new
 prefill calls (more: prompts, and results appended on resume), with their count, seconds, and how
 much of what they computed held something: rows with a sequence (minagent's fixed-shape steps
 compute every slot) and positions with a token (its prefill pads chunks to a length bucket). Bytes
-per token against bandwidth, for the decode calls: each worker first reads a 512 MiB matrix with a
-jitted matrix-vector product (the bandwidth a decode step can reach on its cores) and times the float32
-model's matrix-vector products alone at batch 1, in one jitted call (the floor XLA's kernels put under
-a decode call); a loop's decode calls then read weight bytes x calls / seconds, where a call at batch
-1 reads every weight once (the weights: minagent's Runner's arrays, torch's parameters, the GGUF file). llama.cpp's KV cache is float32, as
-minagent's and torch's are (its default, float16, moves the logits by ~2e-2).
+per token against bandwidth, for the decode calls: each worker first reads a 512 MiB matrix with
+a jitted matrix-vector product (the bandwidth a decode step can reach on its cores) and times the
+float32 model's matrix-vector products alone at batch 1, in one jitted call (the floor XLA's kernels
+put under a decode call); a loop's decode calls then read weight bytes x calls / seconds, where a
+call at batch 1 reads every weight once (the weights: minagent's Runner's arrays, torch's
+parameters, the GGUF file).
+
+llama.cpp's KV cache is float32, as minagent's and torch's are (its default, float16, moves the
+logits by ~2e-2).
 
 --int8: the same workload with int8 weights, dtype for dtype: minagent's int8.quantize (one scale
 an output row, activations in two int8 parts) against llama.cpp on the merged weights written as Q8_0
