@@ -48,6 +48,16 @@ def test_bench_agent_quick(tmp_path, smollm2_gguf):
                                         "tools (in worker threads)"}
         # The same greedy episodes, batched or one at a time: same tokens, calls and answers.
         assert f["identical"] == f["same_tokens"] == 4 and f["parted"] == []
+        # The model's calls split into decode and prefill: together they pushed every position once.
+        calls = f["model_calls"]
+        assert calls["decode"]["real_positions"] + calls["prefill"]["real_positions"] == f["positions"]
+        assert all(0 < c["real_rows"] <= c["rows"] and 0 < c["real_positions"] <= c["positions"]
+                   for c in calls.values())
+        assert f["decode_bytes_per_s"] > 0
+    # One at a time, every decode row holds the one sequence.
+    decode_one = loops["minagent one by one"]["model_calls"]["decode"]
+    assert decode_one["rows"] == decode_one["real_rows"] == decode_one["calls"]
+    assert result["read_bandwidth"][threads] > 0 and result["bare_products_s_bytes"][threads][0] > 0
     assert loops["minagent batched"]["minagent_batched_speedup"] == 1.0
     # Both loops push the same positions: each episode's own tokens, whatever shares its batch.
     assert loops["minagent batched"]["positions"] == loops["minagent one by one"]["positions"]
