@@ -1,12 +1,13 @@
 """How long do 64 agent episodes take on a CPU: one workload, the same weights, several loops.
 
-    python benchmarks/bench_agent.py                  # 64 episodes, 1 and 2 threads, every loop: ~25 min
+    python benchmarks/bench_agent.py                  # 64 episodes, 1 and 2 threads, every loop: ~31 min
     python benchmarks/bench_agent.py --quick          # 4 episodes, all cores: a smoke test, a few minutes
     python benchmarks/bench_agent.py --quick --no-ref # minagent's two loops alone: no torch, no llama.cpp
     python benchmarks/bench_agent.py --quick --train-steps 2  # try the training path (a 2-step adapter, own checkpoint)
 
-(Times on 2 idle CPU cores, estimated from runs beside other work: the one-thread half took 10 min; a
-full run first trains the adapter if 03's checkpoint is not there: 12 more minutes.)
+(Times on 2 CPU cores of an AMD EPYC Zen 4, 2026-12-03: the full run 31 min, of which minagent's
+warm-ups compile for 8.2 min; a full run first trains the adapter if 03's checkpoint is not there:
+7 to 12 more minutes.)
 
 The workload: SmolLM2-135M-Instruct with <|call|> and <|result|> added (ids 49152, 49153) and the
 "tool" LoRA adapter of experiments/03_calculator.py merged into its weights (lora.merge), greedy,
