@@ -6,7 +6,7 @@
     python benchmarks/bench_agent.py --quick --train-steps 2  # try the training path (a 2-step adapter, own checkpoint)
 
 (Times on 2 CPU cores of an AMD EPYC Zen 4, 2026-12-03: the full run 31 min, of which minagent's
-warm-ups compile for 8.2 min; a full run first trains the adapter if 03's checkpoint is not there:
+warm-ups compile for 16.4 min; a full run first trains the adapter if 03's checkpoint is not there:
 7 to 12 more minutes.)
 
 The workload: SmolLM2-135M-Instruct with <|call|> and <|result|> added (ids 49152, 49153) and the
