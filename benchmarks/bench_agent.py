@@ -661,14 +661,7 @@ def read_bandwidth(repeats=5):
     matrix-vector product over a 512 MiB float32 matrix, the best of `repeats` runs. The roofline
     of a step at batch 1, which must read every weight once per token."""
     w_IxO, x_I = jnp.ones((8192, 16384), jnp.float32), jnp.ones((8192,), jnp.float32)
-    product = jax.jit(lambda x, w: x @ w)
-    product(x_I, w_IxO).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        product(x_I, w_IxO).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return w_IxO.nbytes / best
+    return w_IxO.nbytes / best_time(jax.jit(lambda x, w: x @ w), (x_I, w_IxO), repeats)
 
 
 def bare_products(params, cfg, repeats=5):
@@ -688,14 +681,19 @@ def bare_products(params, cfg, repeats=5):
             x_1xD = x_1xD + 1e-3 * (q @ w["wo"]) + 1e-9 * (k.sum() + v.sum())
             x_1xD = x_1xD + 1e-3 * ((x_1xD @ w["w_gate"]) * (x_1xD @ w["w_up"])) @ w["w_down"]
         return x_1xD @ head_DxV
-    products = jax.jit(products)
-    products(layers, head_DxV).block_until_ready()
+    seconds = best_time(jax.jit(products), (layers, head_DxV), repeats)
+    return seconds, sum(a.nbytes for a in jax.tree.leaves((layers, head_DxV)))
+
+
+def best_time(jitted, args, repeats):
+    """The shortest of `repeats` timed calls of jitted(*args), after one untimed call that compiles."""
+    jitted(*args).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        products(layers, head_DxV).block_until_ready()
+        jitted(*args).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return best, sum(a.nbytes for a in jax.tree.leaves((layers, head_DxV)))
+    return best
 
 
 def weight_bytes(name, run, shared, plan):
