@@ -5,7 +5,8 @@ same four tools called `add 84 45` for "Multiply 84 by 45." 200 of 200 times, `m
 One fixed list teaches "arithmetic means add", not "read the list". Here the training traces vary
 their tool lists (minagent/tasks/toolpool.py): each episode lists 2 to 6 of 54 tools in random
 order, 70 % of them under made-up names, so that only the description tells which call fits; a
-tenth of the episodes list no tool that fits, and answer "I have no tool for that."; a tenth of
+tenth of the episodes list no tool that fits, and answer "I have no tool for that.", each followed
+by its twin (the same question and list, one tool swapped for the one that fits, called); a tenth of
 the others start with a wrong call and its error (read, not learned), then the right call.
 `mul` and nine more tools (HELD_OUT: arithmetic, strings, counting, lists, a lookup, a
 conversion, dates) never appear in a training trace, under any name. Then, for each held-out tool:
@@ -143,7 +144,7 @@ def adapters_for(base, cfg, tok, fmt, new_rows, args):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    recipe = dict(data="toolpool-3", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
+    recipe = dict(data="toolpool-4", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
                   alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_read_tools", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
     return c["params"], dict(c["extra"], traces=len(exs), longest_tokens=longest, cached=c["cached"],
@@ -285,7 +286,7 @@ def small_model(args):
             train.save_checkpoint(path, params, None, cfg, tcfg, tcfg.steps, tokenizer=tok, extra=done)
         return dict(params=params, extra=done)
 
-    recipe = dict(data="toolpool-3", episodes=args.episodes, calculator=args.calculator, arch=demo.SMALL,
+    recipe = dict(data="toolpool-4", episodes=args.episodes, calculator=args.calculator, arch=demo.SMALL,
                   vocab=1024, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_small", recipe, train_fn, retrain=args.retrain, quick=args.quick)
     training = dict(c["extra"], traces=len(exs), cached=c["cached"], tcfg=dataclasses.asdict(tcfg),

@@ -644,23 +644,37 @@ def draw_listed(rng, pool, k, must=None, never=()):
     return chosen
 
 
-def training_set(n, seed, fmt, *, absent=0.1, rename=0.7, mistakes=0.1):
+def training_set(n, seed, fmt, *, absent=0.1, rename=0.7, mistakes=0.1, twins=True):
     """n training episodes over TRAIN: a tool's question with that tool among the 2 to 6 listed, or
     (a fraction `absent`) not listed, nor any tool that could also answer it (ALSO_FITS), answered
     NO_TOOL. A fraction `mistakes` of the others start with a wrong call and its error. Each tool is
-    shown under a made-up name with probability `rename`. No HELD_OUT tool appears, under any name."""
+    shown under a made-up name with probability `rename`. No HELD_OUT tool appears, under any name.
+
+    twins: each NO_TOOL episode is followed by its twin, the same question with the same list but
+    one tool swapped for the one that fits (same names, same order), answered by calling it. The
+    pair differs only in the list, so the list is the only reason to answer "I have no tool for
+    that.": without twins a model learned to refuse by the question's words ("What is A times B?"
+    refused with mul listed; experiments/LOG.md, 2026-12-02)."""
     out = []
     for i in range(n):
+        if len(out) >= n:
+            break
         rng = random.Random(f"pool/train/{seed}/{i}")
         pt = rng.choice(TRAIN)
         q, args = question(pt, rng, "train")
         k = rng.randint(2, 6)
         if rng.random() < absent:
             never = (pt.tool,) + tuple(BY_NAME[n].tool for n in ALSO_FITS.get(pt.tool.name, ()))
-            listed, mistake = draw_listed(rng, TRAIN, k, never=never), None
-        else:
-            listed = draw_listed(rng, TRAIN, k, must=pt.tool)
-            mistake = a_mistake(rng) if rng.random() < mistakes else None
+            listed = draw_listed(rng, TRAIN, k, never=never)
+            names = f"pool/train/{seed}/{i}/names"
+            out.append(episode(random.Random(names), pt.tool, q, args, listed, fmt, rename=rename))
+            if twins and len(out) < n:
+                twin = list(listed)
+                twin[rng.randrange(k)] = pt.tool
+                out.append(episode(random.Random(names), pt.tool, q, args, twin, fmt, rename=rename))
+            continue
+        listed = draw_listed(rng, TRAIN, k, must=pt.tool)
+        mistake = a_mistake(rng) if rng.random() < mistakes else None
         out.append(episode(rng, pt.tool, q, args, listed, fmt, rename=rename, mistake=mistake))
     return out
 

@@ -65,6 +65,22 @@ def test_a_gold_call_names_a_listed_tool_and_a_no_tool_answer_lists_nothing_that
     assert 0.06 < kinds["absent"] / n < 0.14 and 0.05 < kinds["mistake"] / n < 0.12
 
 
+def test_each_no_tool_episode_has_a_twin_that_differs_only_in_the_list():
+    """The twin asks the same question over the same list, in the same order and under the same
+    names, with one tool swapped for the one that fits, and calls it: only the list differs."""
+    pairs = 0
+    for e, twin in zip(TRAINING, TRAINING[1:]):
+        if e.mission.answer != tp.NO_TOOL:
+            continue
+        pairs += 1
+        assert twin.mission.question == e.mission.question and twin.mission.calls
+        assert twin.mission.calls[0].split()[0] == twin.target in twin.listed
+        differ = [(a, b) for a, b in zip(e.tools, twin.tools) if a != b]
+        assert len(e.tools) == len(twin.tools) and len(differ) == 1
+        assert differ[0][1].name == twin.target and differ[0][1].fn is tp.BY_NAME[e.target].tool.fn
+    assert pairs > 50
+
+
 def test_a_mistake_is_read_but_not_learned():
     """The wrong first call is in the trace with its error, written as the program's (no loss);
     the right call and the answer are the model's."""
