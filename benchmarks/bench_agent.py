@@ -447,7 +447,7 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
 
     def run(ms):
         clock = Clock()
-        real = batch.step, decode.prefill_step, decode.decode_step
+        real = batch.step, decode.prefill_step, decode.decode_step, decode.sample_step
         batch.step = clock.wrap("batch.step", real[0])
         prefill_jit, decode_jit = clock.wrap("jit", real[1], blocking=True), clock.wrap("jit", real[2], blocking=True)
 
@@ -467,6 +467,7 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
                              active)
             return out
         decode.prefill_step, decode.decode_step = prefill_step, decode_step
+        decode.sample_step = clock.wrap("jit", real[3], blocking=True)    # a prefill's next tokens
         try:
             boxes = toolboxes(ms, clock)
             prompts = [m.trace[0] for m in ms]
@@ -477,7 +478,7 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
                            for r in agent.run(batch, tok, FMT, prompts[i:i + slots], boxes[i:i + slots])]
         finally:
             del batch.step                                   # the class's method again
-            decode.prefill_step, decode.decode_step = real[1:]
+            decode.prefill_step, decode.decode_step, decode.sample_step = real[1:]
         return [episode(r.status, r.answer, r.calls, r.tokens, r.positions) for r in records], clock
 
     run.batch, run.compile_s = batch, time.perf_counter() - t0 if compile_shapes else None

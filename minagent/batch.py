@@ -40,9 +40,11 @@ length + limit - 1), and a stretch that ends gives back the pages it did not
 fill. So a paused-and-resumed sequence holds exactly as many pages as the same
 text given whole as a prompt. (docs/engine.md: "The pause mask", "Prefix reuse".)
 
-A step is: admit what can be (`_admit`), prefill pending[:-1] of each newly
-admitted sequence (`_prefill`: rows of T tokens, T from a few length buckets),
-then one decode step over all B slots (`_decode`), whose tokens `_took` appends.
+A step is: admit what can be (`_admit`); prefill the pending tokens of each newly
+admitted sequence that has more than one (`_prefill`: rows of T tokens, T from a
+few length buckets) and sample its next token from the logits of its last; then
+one decode step over the other running slots (`_decode`). `_took` appends each
+token sampled.
 The device work (shapes, the cache, the jitted steps) is the Runner's (runner.py).
 """
 
@@ -227,9 +229,14 @@ class Batch:
         return self._too_long(n_tokens, limit) is None
 
     def step(self):
-        """Admit and prefill what can start, then one decode step -> {id: token sampled}."""
-        running = self._start()
-        return self._decode(running) if running else {}
+        """Admit and prefill what can start, then one decode step -> {id: token sampled}.
+
+        A sequence prefilled in this step samples its token from the prefill's logits and sits
+        out the decode step: one token a sequence a step either way."""
+        running, first = self._start()
+        out = self._decode(running) if running else {}
+        self._seat_all(first)
+        return {**first, **out}
 
     def steps(self, n):
         """Up to n tokens for each running sequence in one device call -> {id: [tokens sampled]}.
@@ -241,9 +248,11 @@ class Batch:
         """
         if not is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: the steps a call, an integer >= 1")
-        running = self._start()
+        running, first = self._start()
         if not running or any(s.mask is not None for s in running) or self.keep_logits:
-            return {i: [t] for i, t in (self._decode(running) if running else {}).items()}
+            out = self._decode(running) if running else {}
+            self._seat_all(first)
+            return {i: [t] for i, t in {**first, **out}.items()}
         left_B = np.zeros(self.slots, np.int32)                  # tokens each may still sample
         for s in running:
             left_B[s.slot] = s.limit
@@ -254,9 +263,11 @@ class Batch:
         self.state.tokens_B[:], self.state.lengths_B[:] = later.tokens_B, later.lengths_B
         out = {seq.id: [int(t) for t in tokens_NxB[:, seq.slot] if t >= 0] for seq in running}
         for seq in running:
+            seq.positions += len(out[seq.id])          # each token sampled pushed the one before
             for token in out[seq.id]:
                 self._took(seq, token)
-        return out
+        self._seat_all(first)
+        return {**{i: [t] for i, t in first.items()}, **out}
 
     def warmup(self, masked=False):
         """Compile every shape the steps can use now (Runner.warmup), so that nothing compiles
@@ -272,8 +283,9 @@ class Batch:
     # ------------------------------------------------------------ a step, in order
 
     def _start(self):
-        """Admit what can be, prefill it, seat it -> the running sequences (none: raise Stuck,
-        or [])."""
+        """Admit what can be, prefill it -> (the running sequences for the decode step, {id:
+        first token} of those the prefill sampled, seated after the decode step); none running:
+        raise Stuck, or ([], {})."""
         admitted, short_of_pages = self._admit()
         running = [self.seqs[i] for i in self._in_slot
                    if i is not None and self.seqs[i].status is Status.RUNNING]
@@ -287,11 +299,12 @@ class Batch:
             if self._queue:
                 raise Stuck(f"sequences {self._queue} wait for a slot and every slot holds a "
                             f"paused, stopped or length-limited sequence: finish some")
-            return []
-        self._prefill(admitted)
+            return [], {}
+        first = self._prefill(admitted)
         for seq in admitted:
-            self._seat(seq)
-        return running
+            if seq.id not in first:
+                self._seat(seq)
+        return [s for s in running if s.id not in first], first
 
     def _admit(self):
         """Give queued sequences a slot and the pages their stretch can fill -> (admitted, ids
@@ -317,19 +330,58 @@ class Batch:
         return admitted, short
 
     def _prefill(self, seqs):
-        """Push pending[:-1] of each sequence: up to prefill_rows rows a device a call, chunks of
-        at most the largest bucket, similar lengths together (less padding)."""
+        """Push the pending tokens of each sequence that has more than one, and sample its next
+        token from the logits of the last -> {id: token}. Up to prefill_rows rows a device a
+        call, chunks of at most the largest bucket, similar lengths together (less padding).
+
+        Sampling here saves a model call a stretch: pushing all but the last pending token and
+        leaving that one to the decode step would make a prompt, or a tool's result, cost a
+        prefill call and a decode call where one does. A single pending token goes to the
+        decode step, where it shares the call with the other slots."""
         R, biggest = self.runner.prefill_rows, self.runner.buckets[-1]
-        while todo := sorted((s for s in seqs if len(s.pending) > 1), key=lambda s: len(s.pending)):
+        todo, first = [s for s in seqs if len(s.pending) > 1], {}
+        while todo := sorted(todo, key=lambda s: len(s.pending)):
             rows = {}                   # prefill row -> sequence: device d's rows from its own
             for d in range(self.runner.n_devices):
                 own = [s for s in todo if self._device(s.slot) == d][:R]
                 rows.update(enumerate(own, start=d * R))
-            chunks = {b: s.pending[:min(len(s.pending) - 1, biggest)] for b, s in rows.items()}
-            self.runner.prefill({b: (chunks[b], s.cached, s.pages) for b, s in rows.items()})
+            chunks = {b: s.pending[:biggest] for b, s in rows.items()}
+            logits_RxV = self.runner.prefill({b: (chunks[b], s.cached, s.pages)
+                                              for b, s in rows.items()})
             for b, seq in rows.items():
                 del seq.pending[:len(chunks[b])]
                 seq.positions += len(chunks[b])
+            done = {b: s for b, s in rows.items() if not s.pending}   # their last token pushed
+            if done:
+                first.update(self._sample_first(logits_RxV, done))
+            todo = [s for s in todo if s.id not in first]
+        return first
+
+    def _sample_first(self, logits_RxV, rows):
+        """Each row's sequence samples its next token from the prefill's logits -> {id: token}."""
+        n_rows = logits_RxV.shape[0]
+        seeds_R, positions_R = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
+        allowed_RxV = None
+        if any(s.mask is not None for s in rows.values()):
+            allowed_RxV = np.ones((n_rows, self.cfg.vocab_size), bool)
+        for b, seq in rows.items():
+            seeds_R[b], positions_R[b] = seq.seed, len(seq.tokens)   # the sampled token's place
+            if seq.mask is not None:
+                allowed_RxV[b] = seq.mask(seq.tokens[seq.stretch:])
+        tokens_R = self.runner.sample(logits_RxV, seeds_R, positions_R, self.temperature,
+                                      self.top_k, allowed_RxV)
+        logits_RxV = np.asarray(logits_RxV) if self.keep_logits else None
+        out = {}
+        for b, seq in rows.items():
+            token = out[seq.id] = int(tokens_R[b])
+            if self.keep_logits:
+                seq.logits.append(logits_RxV[b])
+            self._took(seq, token)
+        return out
+
+    def _seat_all(self, ids):
+        for id in ids:
+            self._seat(self.seqs[id])
 
     def _seat(self, seq):
         """Write the sequence's row of the decode state: pending token, length, seed, pages,
@@ -358,13 +410,13 @@ class Batch:
             token = out[seq.id] = int(self.state.tokens_B[seq.slot])
             if self.keep_logits:
                 seq.logits.append(logits_BxV[seq.slot])
+            seq.positions += 1                             # its pending token, pushed
             self._took(seq, token)
         return out
 
     def _took(self, seq, token):
         """A token the sequence sampled: append it; a pause or stop token, or the limit, ends
         the stretch."""
-        seq.positions += 1
         seq.tokens.append(token)
         seq.pending = [token]
         seq.limit -= 1

@@ -5,7 +5,8 @@ model, starting at each row's current length, and writes their keys and values
 into the row's pages. The jitted steps are uses of it:
 
     prefill_step   extend over B rows of T tokens, T from a few length buckets
-                   (8, 16, 32, ...): prompts, and tokens appended on resume
+                   (8, 16, 32, ...): prompts, and tokens appended on resume;
+                   sample_step then samples each row's next token from its logits
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
     decode_steps   n decode steps in one call, a slot stopping on its own when it
@@ -243,11 +244,22 @@ def mask_logits(logits_BxV, allowed_BxV):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
-    """extend over B rows of T tokens -> the updated cache (the logits are not needed:
-    XLA drops them)."""
+    """extend over B rows of T tokens -> (logits_BxV of each row's last new token, the updated
+    cache). The Batch samples a sequence's next token from these logits (sample_step) when the
+    row held the last of its pending tokens, rather than pushing that token through a decode
+    step of its own: one model call fewer for every prompt and every tool result."""
     TRACES["prefill", tokens_BxT.shape, page_table_BxW.shape] += 1
-    _, cache = extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
-    return cache
+    return extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
+def sample_step(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0, allowed_BxV=None):
+    """The token each row samples from its logits -> int32 [B]: what decode_step does after
+    extend, for the logits of a prefill step. positions_B: the sampled token's position, which
+    picks its draw (sample)."""
+    TRACES["sample", logits_BxV.shape, allowed_BxV is None] += 1
+    masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
+    return sample(masked_BxV, seeds_B, positions_B, temperature, top_k)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),

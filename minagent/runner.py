@@ -6,7 +6,8 @@ The Batch (batch.py) decides which sequences run and which tokens go where; the 
 turns those decisions into fixed-shape arrays and runs decode.py's steps on them:
 
     runner = Runner(params, cfg, RunnerConfig(), slots=8, n_pages=64, page_size=16, max_len=256)
-    runner.prefill({0: (tokens, start, pages), ...})     # rows of new tokens into their pages
+    logits = runner.prefill({0: (tokens, start, pages), ...})   # rows of new tokens into their pages
+    tokens_R = runner.sample(logits, seeds_R, positions_R)      # each row's next token
     later, logits_BxV = runner.decode(slots)             # one token for every active slot
     runner.warmup()                                      # compile every shape now, not on first use
 
@@ -122,7 +123,7 @@ class Runner:
         """Push rows of new tokens into their pages, in one call: rows {b: (tokens, start, pages)},
         b a prefill row (device d's rows: d * prefill_rows ...), the tokens at positions start,
         start + 1, ... At most the largest bucket of tokens a row; the row's pages must
-        hold them."""
+        hold them. -> logits_BxV of each row's last new token, on the device (for sample)."""
         n_rows = self.prefill_rows * self.n_devices
         T = next(t for t in self.buckets if t >= max(len(tokens) for tokens, _, _ in rows.values()))
         W = self.width(max(start + len(tokens) for tokens, start, _ in rows.values()))
@@ -134,7 +135,19 @@ class Runner:
             tokens_BxT[b, :len(tokens)] = tokens
             start_B[b], n_new_B[b] = start, len(tokens)
             table_BxW[b, :min(len(pages), W)] = pages[:W]
-        self.kv = self._run(decode.prefill_step, tokens_BxT, start_B, n_new_B, table_BxW)
+        logits_BxV, self.kv = self._run(decode.prefill_step, tokens_BxT, start_B, n_new_B,
+                                        table_BxW)
+        return logits_BxV
+
+    def sample(self, logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0,
+               allowed_BxV=None):
+        """The token each prefill row samples from its logits (decode.sample_step) -> int32 [B]
+        on the host."""
+        before = sum(decode.TRACES.values())
+        tokens_B = decode.sample_step(logits_BxV, seeds_B, positions_B, temperature, top_k,
+                                      allowed_BxV)
+        self.compiles += sum(decode.TRACES.values()) - before
+        return np.asarray(tokens_B)
 
     def decode(self, slots, temperature=0.0, top_k=0, allowed_BxV=None):
         """One decode step for every active slot -> (the Slots one token later, logits_BxV
@@ -161,16 +174,20 @@ class Runner:
         idle rows.
 
         Idle rows (n_new = 0, active False) write only to the null page, so this changes no
-        sequence. masked=True also compiles the decode step with a token mask.
+        sequence. Sampling from a prefill's logits compiles too, on logits placed as a prefill
+        leaves them. masked=True also compiles the steps that sample with a token mask.
         """
         n_rows, B, V = self.prefill_rows * self.n_devices, self.slots, self.cfg.vocab_size
+        zeros_R = np.zeros(n_rows, np.int32)
         for shorter, T in zip([0] + self.buckets, self.buckets):
             for W in self.widths:
                 # a chunk gets bucket T only if it is longer than `shorter`
                 if W >= self.width(shorter + 1):
-                    zeros_B = np.zeros(n_rows, np.int32)
-                    self.kv = self._run(decode.prefill_step, np.zeros((n_rows, T), np.int32),
-                                        zeros_B, zeros_B, np.zeros((n_rows, W), np.int32))
+                    logits_RxV, self.kv = self._run(decode.prefill_step,
+                                                    np.zeros((n_rows, T), np.int32), zeros_R,
+                                                    zeros_R, np.zeros((n_rows, W), np.int32))
+        for allowed in [None] + ([np.ones((n_rows, V), bool)] if masked else []):
+            self.sample(logits_RxV, zeros_R, zeros_R, temperature, top_k, allowed)
         for W in self.widths:
             idle = decode.Slots.idle(B, W)
             for allowed in [None] + ([np.ones((B, V), bool)] if masked else []):
@@ -196,14 +213,14 @@ class Runner:
 @functools.partial(jax.jit, static_argnames=("mesh", "cfg"), donate_argnames=("cache",))
 def prefill_step_on(mesh, params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
     """decode.prefill_step with rows and pages split over `mesh`: device d takes rows
-    d * B / D ... (d + 1) * B / D - 1."""
+    d * B / D ... (d + 1) * B / D - 1 (and returns their logits)."""
     def part(params, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
         P = cache["k"].shape[2]
         return decode.prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B,
                                    page_table_BxW % P)
     return jax.shard_map(part, mesh=mesh, in_specs=(WHOLE, PAGES, ROWS, ROWS, ROWS, ROWS),
-                         out_specs=PAGES)(params, cache, tokens_BxT, start_B, n_new_B,
-                                          page_table_BxW)
+                         out_specs=(ROWS, PAGES))(params, cache, tokens_BxT, start_B, n_new_B,
+                                                  page_table_BxW)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "cfg", "temperature", "top_k", "attention"),

@@ -200,12 +200,47 @@ def test_short_chunks_are_padded_little(monkeypatch):
         return real_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW)
     monkeypatch.setattr(decode, "prefill_step", prefill_step)
     batch = Batch(PARAMS, CFG, slots=1, n_pages=1 + 20, page_size=4, max_len=80, stop_tokens=[0])
-    for n in (2, 5, 9, 12, 17, 30, 33, 65):        # prompts: n - 1 tokens prefilled, the last decoded
+    for n in (2, 5, 9, 12, 17, 30, 33, 64):        # prompts: prefilled whole, then sampled from
         i = batch.add([1 + t % (V - 1) for t in range(n)], 1)
         run(batch)
         batch.finish(i)
-    assert [longest for longest, _ in padded] == [1, 4, 8, 11, 16, 29, 32, 64]
+    assert [longest for longest, _ in padded] == [2, 5, 9, 12, 17, 30, 33, 64]
     assert all(bucket <= max(8, 2 * longest) for longest, bucket in padded), padded
+
+
+def test_a_prompt_and_a_result_cost_one_model_call_each(monkeypatch):
+    """A sequence with several pending tokens samples its next one from the prefill's logits: a
+    prompt costs one prefill call, not a prefill call and a decode call, and so does a resume.
+    The tokens and logits are those of the full forward pass over the final text."""
+    calls = []
+    real = decode.prefill_step, decode.decode_step
+
+    def count(kind, fn):
+        def step(*args, **kw):
+            calls.append(kind)
+            return fn(*args, **kw)
+        return step
+    monkeypatch.setattr(decode, "prefill_step", count("prefill", real[0]))
+    monkeypatch.setattr(decode, "decode_step", count("decode", real[1]))
+    batch = Batch(PARAMS, CFG, slots=1, n_pages=1 + 10, page_size=4, max_len=40, keep_logits=True)
+    prompt = [3, 14, 15, 9, 2, 6]
+    i = batch.add(prompt, 4)
+    sampled = run(batch)[i]
+    assert calls == ["prefill", "decode", "decode", "decode"] and len(sampled) == 4
+    seq = batch.seqs[i]
+    assert seq.positions == len(seq.tokens) - 1              # every position pushed once
+    batch.send(i, seq.tokens + [7, 8, 9], 2)                  # a resume: 1 pending + 3 appended
+    del calls[:]
+    run(batch)
+    assert calls == ["prefill", "decode"] and seq.positions == len(seq.tokens) - 1
+
+    # The reference: the whole text through model.forward at once; position t predicts t + 1.
+    logits_TxV = model.forward(PARAMS, CFG, np.array([seq.tokens]))[0]
+    want = [int(t) for t in np.argmax(np.asarray(logits_TxV), axis=-1)]
+    n = len(prompt)
+    assert sampled == want[n - 1:n + 3]
+    np.testing.assert_allclose(seq.logits[0], logits_TxV[n - 1], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(seq.logits[4], logits_TxV[n + 4 + 2], rtol=2e-4, atol=2e-4)
 
 
 def test_pages_hold_back_then_clear_error():
