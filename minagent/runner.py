@@ -15,9 +15,11 @@ Shapes. A step reads every page in its table's width, so a step gets only as man
 as its longest row needs, rounded up to a power of two: 1, 2, 4, ..., W. Reading all W
 pages of every row would cost max_len keys per row per layer; this costs at most twice
 the longest row's length, for at most log2(W) + 1 shapes per step kind. A prefill chunk of
-n tokens is padded to the smallest bucket (8, 16, 32, 64, 256, 1024) that holds it: the short
-ones are close together because an agent's chunks are short (a prompt of a few dozen tokens, a
-tool's result and the turn marker after it), and every padding position costs as much as a real one.
+n tokens is padded to the smallest bucket (8, 12, 16, 24, 32, 64, 256, 1024) that holds it: the
+short ones are close together because an agent's chunks are short (a prompt of a few dozen
+tokens; a tool's result with the markers around it, 8 to 17 tokens in SmolLM2's chat format),
+and every padding position costs as much as a real one. Each bucket is one more shape to
+compile, for every width.
 
 On a mesh (mesh.py) device d holds its block of slots and its own n_pages pages: page ids
 are global (device d's: d * P to d * P + P - 1, the first its null page), and each device
@@ -50,7 +52,7 @@ class RunnerConfig:
     mesh           a one-axis "data" mesh of D devices (mesh.data_mesh), or None for one device
     """
     prefill_rows: int = 4
-    buckets: tuple = (8, 16, 32, 64, 256, 1024)
+    buckets: tuple = (8, 12, 16, 24, 32, 64, 256, 1024)
     attention: str = "gather"
     cache_dtype: str | None = None
     per_layer: bool | None = None

@@ -191,7 +191,8 @@ def test_short_chunks_are_padded_little(monkeypatch):
     """An agent's prefill chunks are short (a prompt, a tool's result and the turn marker): with the
     default buckets no chunk of up to 64 tokens is padded to more than twice its length, or 8.
     Every padding position costs as much as a real one (bench_agent: 13.0 s of prefill at
-    (16, 64, ...), 8.1 s at (8, 16, 32, 64, ...), for the same 64 episodes)."""
+    (16, 64, ...), 8.1 s at (8, 16, 32, 64, ...), for the same 64 episodes; with each chunk's
+    last token in it, 56 % of the positions prefilled held a token, 72 % with 12 and 24 added)."""
     padded = []                                    # (tokens in the chunk's longest row, bucket)
     real_step = decode.prefill_step
 
