@@ -101,7 +101,8 @@ def test_greedy_decode_after_prefill_equals_forward(page_size):
     cache = init_cache(cfg, 1 + 2 * W, Z)
     table_BxW = np.arange(1, 1 + 2 * W, dtype=np.int32).reshape(2, W)
     tokens = [list(p) for p in prompts]
-    # Prefill all but the last prompt token, as the Batch does; decode_step pushes the last one.
+    # Prefill all but the last prompt token; decode_step pushes the last one. (The Batch pushes them
+    # all and samples from the prefill's logits: test_batch.py checks that path.)
     n_pre = np.array([len(p) - 1 for p in prompts], np.int32)
     pre_BxT = np.zeros((2, 8), np.int32)
     for r, p in enumerate(prompts):
