@@ -171,7 +171,8 @@ class Batch:
 
         The cached K/V of the longest common prefix of its cached tokens and `tokens` stays (at
         most len(tokens) - 1 positions: the last token is always pending, for the next step to
-        sample from, a prefill's or a decode step). With page_size 4, cached [u a b c | d e r1 r2 | r3]:
+        sample from, a prefill's or a decode step). With page_size 4, cached
+        [u a b c | d e r1 r2 | r3]:
 
             send(id, [u a b c | d e r1 r2 | r3 <r> x <a>], ...)  keeps 9 positions: a resume
             send(id, [u a b c | d e N], ...)                     keeps 6, pushes N: a changed view

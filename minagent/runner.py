@@ -6,10 +6,10 @@ The Batch (batch.py) decides which sequences run and which tokens go where; the 
 turns those decisions into fixed-shape arrays and runs decode.py's steps on them:
 
     runner = Runner(params, cfg, RunnerConfig(), slots=8, n_pages=64, page_size=16, max_len=256)
-    logits = runner.prefill({0: (tokens, start, pages), ...})   # rows of new tokens into their pages
-    tokens_R = runner.sample(logits, seeds_R, positions_R)      # each row's next token
-    later, logits_BxV = runner.decode(slots)             # one token for every active slot
-    runner.warmup()                                      # compile every shape now, not on first use
+    logits = runner.prefill({0: (tokens, start, pages), ...})  # new tokens into their pages
+    tokens_R = runner.sample(logits, seeds_R, positions_R)     # each prefill row's next token
+    later, logits_BxV = runner.decode(slots)                   # one token for every active slot
+    runner.warmup()                                            # compile every shape now
 
 Shapes. A step reads every page in its table's width, so a step gets only as many columns
 as its longest row needs, rounded up to a power of two: 1, 2, 4, ..., W. Reading all W

@@ -65,6 +65,13 @@ def test_the_engine_stays_small_enough_to_read():
     assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1050
 
 
+def test_no_engine_line_is_wider_than_100_columns():
+    """Code, docstrings and comments alike: a reader never scrolls sideways in the engine."""
+    wide = [f"{p.name}:{i}" for p in (ROOT / "minagent").glob("*.py")
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 100]
+    assert not wide, wide
+
+
 def test_imported_modules_reads_every_form():
     here = imported_modules(ROOT / "minagent" / "tasks" / "context" / "fit.py")
     assert "minagent.agent" in here and "minagent.chat.Message" in here
