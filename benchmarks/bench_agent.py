@@ -6,7 +6,8 @@
     python benchmarks/bench_agent.py --quick --train-steps 2  # try the training path (a 2-step adapter, own checkpoint)
 
 (Times on 2 CPU cores of an AMD EPYC Zen 4, 2026-12-03: the full run 31 min, of which minagent's
-warm-ups compile for 16.4 min; a full run first trains the adapter if 03's checkpoint is not there:
+warm-ups compile for 16.4 min, before the prefill buckets 12 and 24 were added, which made a
+warm-up about a third longer; a full run first trains the adapter if 03's checkpoint is not there:
 7 to 12 more minutes.)
 
 The workload: SmolLM2-135M-Instruct with <|call|> and <|result|> added (ids 49152, 49153) and the
@@ -59,7 +60,9 @@ named, with its avx512f / avx512_vnni / amx_int8 flags.
 Inside the model's time, every loop's calls are split into decode calls (one new token a row) and
 prefill calls (more: prompts, and results appended on resume), with their count, seconds, and how
 much of what they computed held something: rows with a sequence (minagent's fixed-shape steps
-compute every slot) and positions with a token (its prefill pads chunks to a length bucket). Bytes
+compute every slot) and positions with a token (its prefill pads chunks to a length bucket).
+minagent's sampling from a prefill's logits (decode.sample_step, a small call of its own) counts
+in the model's time, but in neither kind. Bytes
 per token against bandwidth, for the decode calls: each worker first reads a 512 MiB matrix with
 a jitted matrix-vector product (the bandwidth a decode step can reach on its cores) and times the
 float32 model's matrix-vector products alone at batch 1, in one jitted call (the floor XLA's kernels
