@@ -666,12 +666,13 @@ def training_set(n, seed, fmt, *, absent=0.1, rename=0.7, mistakes=0.1, twins=Tr
         if rng.random() < absent:
             never = (pt.tool,) + tuple(BY_NAME[n].tool for n in ALSO_FITS.get(pt.tool.name, ()))
             listed = draw_listed(rng, TRAIN, k, never=never)
-            names = f"pool/train/{seed}/{i}/names"
-            out.append(episode(random.Random(names), pt.tool, q, args, listed, fmt, rename=rename))
+            # one stream of made-up names for both: the twin shows the others under the same names
+            naming = f"pool/train/{seed}/{i}/names"
+            out.append(episode(random.Random(naming), pt.tool, q, args, listed, fmt, rename=rename))
             if twins and len(out) < n:
                 twin = list(listed)
                 twin[rng.randrange(k)] = pt.tool
-                out.append(episode(random.Random(names), pt.tool, q, args, twin, fmt, rename=rename))
+                out.append(episode(random.Random(naming), pt.tool, q, args, twin, fmt, rename=rename))
             continue
         listed = draw_listed(rng, TRAIN, k, must=pt.tool)
         mistake = a_mistake(rng) if rng.random() < mistakes else None
