@@ -144,7 +144,7 @@ def adapters_for(base, cfg, tok, fmt, new_rows, args):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    recipe = dict(data="toolpool-4", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
+    recipe = dict(data="toolpool-5", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
                   alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_read_tools", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
     return c["params"], dict(c["extra"], traces=len(exs), longest_tokens=longest, cached=c["cached"],
@@ -286,7 +286,7 @@ def small_model(args):
             train.save_checkpoint(path, params, None, cfg, tcfg, tcfg.steps, tokenizer=tok, extra=done)
         return dict(params=params, extra=done)
 
-    recipe = dict(data="toolpool-4", episodes=args.episodes, calculator=args.calculator, arch=demo.SMALL,
+    recipe = dict(data="toolpool-5", episodes=args.episodes, calculator=args.calculator, arch=demo.SMALL,
                   vocab=1024, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_small", recipe, train_fn, retrain=args.retrain, quick=args.quick)
     training = dict(c["extra"], traces=len(exs), cached=c["cached"], tcfg=dataclasses.asdict(tcfg),

@@ -65,6 +65,14 @@ def test_a_gold_call_names_a_listed_tool_and_a_no_tool_answer_lists_nothing_that
     assert 0.06 < kinds["absent"] / n < 0.14 and 0.05 < kinds["mistake"] / n < 0.12
 
 
+def test_a_total_answered_without_a_tool_never_lists_add():
+    """add reaches a list's total two numbers at a time: "no tool" beside it would be a wrong answer,
+    and taught that a total is not an addition (a held-out addition phrased as a total went unanswered)."""
+    add = tp.BY_NAME["add"].tool.fn
+    totals = [e for e in TRAINING if e.mission.family == "tool:total" and e.mission.answer == tp.NO_TOOL]
+    assert totals and not any(t.fn is add for e in totals for t in e.tools)
+
+
 def test_each_no_tool_episode_has_a_twin_that_differs_only_in_the_list():
     """The twin asks the same question over the same list, in the same order and under the same
     names, with one tool swapped for the one that fits, and calls it: only the list differs."""
