@@ -19,6 +19,7 @@ import pytest
 
 from minagent import agent, chat, model, train
 from minagent.chat import Message
+from minagent.runner import RunnerConfig
 from minagent.tasks.calculator import missions
 from minagent.tools import Toolbox
 
@@ -72,7 +73,10 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
     params = model.init(jax.random.PRNGKey(1), cfg)
     ms = missions.generate(70, seed=7)
-    batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=128, temperature=1.0)
+    # three buckets, so that chunks of several lengths meet warm-up's shapes (fewer to compile than
+    # the default eight)
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=128, temperature=1.0,
+                            runner=RunnerConfig(buckets=(8, 32, 128)))
     limits = dict(max_calls=3, max_stretch=12)
     warm = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[:20]], [Toolbox(m.seed) for m in ms[:20]], **limits)
     batch.warmup()          # compiles every (bucket, page-table width) shape the batch can use

@@ -18,16 +18,20 @@ import time
 import pytest
 
 from minagent import agent, chat
+from minagent.runner import RunnerConfig
 from minagent.tools import Toolbox
 
 FMT = chat.MINAGENT
 CALLER = "<|assistant|><|call|>look<|result|>"
+# Two buckets are enough to warm up: these tests time tools, not prefill shapes (fewer shapes
+# to compile; test_batch checks warm-up over several buckets).
+FEW_BUCKETS = RunnerConfig(buckets=(16, 128))
 
 
 @pytest.fixture(scope="module")
 def caller(stok, rote):
     params, cfg = rote(stok, CALLER)
-    batch = agent.new_batch(params, cfg, stok, FMT, slots=8, max_len=128)
+    batch = agent.new_batch(params, cfg, stok, FMT, slots=8, max_len=128, runner=FEW_BUCKETS)
     batch.warmup()
     return batch
 
