@@ -244,7 +244,9 @@ def pct(c):
 
 
 def print_table(res):
-    print(f"\n08: tools the model has only read about (SmolLM2 + LoRA{' tiny, --quick' if res['quick'] else ''})")
+    m = res["model"]
+    print(f"\n08: tools the model has only read about ({m['name']}"
+          f"{' + LoRA' if 'lora_rank' in m else ''}{', --quick' if res['quick'] else ''})")
     print(f"  {'':16} {'described: called right':>24} {'right by the call':>16} {'not described: calls it':>24} "
           f"{'unlisted calls':>16}")
     for group in ("held_out", "eval_tools"):
