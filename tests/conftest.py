@@ -19,9 +19,10 @@ import pytest  # noqa: E402
 if os.environ["JAX_PLATFORMS"] != "cpu":
     jax.config.update("jax_default_matmul_precision", "highest")
 
-from minagent import chat, weights  # noqa: E402
+from minagent import agent, chat, weights  # noqa: E402
 from minagent.tasks import rote as rote_module  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
+from minagent.runner import RunnerConfig  # noqa: E402
 from minagent.tasks.calculator import missions  # noqa: E402
 
 # With pytest-xdist (the default: -n 2 in pyproject.toml) both workers compile many of the same steps;
@@ -74,6 +75,22 @@ def smollm2_gguf():
 def rote():
     """minagent.tasks.rote.rote: rote(tok, script, ...) -> (params, cfg) of a model that writes the scripts."""
     return rote_module.rote
+
+
+# A rote model that calls, and calls again, for the tests of the loop's promises (time limits,
+# faulty and slow tools, tools beside the batch).
+CALLER = "<|assistant|><|call|>look<|result|>"
+
+
+def warm_caller(stok):
+    """A loop's batch (8 slots, max_len 128) over the CALLER model, every shape compiled before any
+    clock starts. Two prefill buckets are enough: these tests time tools, not prefill shapes (fewer
+    shapes to compile; test_batch checks warm-up over several buckets)."""
+    params, cfg = rote_module.rote(stok, CALLER)
+    batch = agent.new_batch(params, cfg, stok, chat.MINAGENT, slots=8, max_len=128,
+                            runner=RunnerConfig(buckets=(16, 128)))
+    batch.warmup()
+    return batch
 
 
 # A rote script and a toolbox for the loop's tests: a reader that calls, and calls again, and

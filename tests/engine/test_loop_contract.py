@@ -18,22 +18,16 @@ import time
 import pytest
 
 from minagent import agent, chat
-from minagent.runner import RunnerConfig
 from minagent.tools import Toolbox
 
+from conftest import warm_caller
+
 FMT = chat.MINAGENT
-CALLER = "<|assistant|><|call|>look<|result|>"
-# Two buckets are enough to warm up: these tests time tools, not prefill shapes (fewer shapes
-# to compile; test_batch checks warm-up over several buckets).
-FEW_BUCKETS = RunnerConfig(buckets=(16, 128))
 
 
 @pytest.fixture(scope="module")
-def caller(stok, rote):
-    params, cfg = rote(stok, CALLER)
-    batch = agent.new_batch(params, cfg, stok, FMT, slots=8, max_len=128, runner=FEW_BUCKETS)
-    batch.warmup()
-    return batch
+def caller(stok):
+    return warm_caller(stok)
 
 
 def sleeper(seconds, text="ok"):
