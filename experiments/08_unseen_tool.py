@@ -4,8 +4,8 @@ First run (commit 6a342d0, experiments/LOG.md): SmolLM2 + LoRA trained on traces
 same four tools called `add 84 45` for "Multiply 84 by 45." 200 of 200 times, `mul` described or not.
 One fixed list teaches "arithmetic means add", not "read the list". Here the training traces vary
 their tool lists (minagent/tasks/toolpool.py): each episode lists 2 to 6 of 54 tools in random
-order, 70 % of them under made-up names, so that only the description tells which call fits; a
-tenth of the episodes list no tool that fits, and answer "I have no tool for that.", each followed
+order, 70 % of them under made-up names, so that only the description tells which call fits; one
+question in twenty (--absent) is asked with no tool that fits listed, answered "I have no tool for that.", and followed
 by its twin (the same question and list, one tool swapped for the one that fits, called); a tenth of
 the others start with a wrong call and its error (read, not learned), then the right call.
 `mul` and nine more tools (HELD_OUT: arithmetic, strings, counting, lists, a lookup, a
@@ -61,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--check", type=int, default=100, help="additions in held-out phrasings")
     p.add_argument("--episodes", type=int, default=3500, help="training episodes of the pool")
     p.add_argument("--calculator", type=int, default=600, help="training missions of the calculator")
+    # 0.05: at 0.1 (toolpool-1 to -5) 50 of the 53 wrong answers in the fifth run's mul and addition tests
+    # were refusals ("I have no tool for that." with the tool listed), against 0.6 % of episodes calling a
+    # tool not listed, where 5 % is allowed (experiments/LOG.md, 2026-12-03).
+    p.add_argument("--absent", type=float, default=0.05, help="share of questions asked with no fitting tool listed")
     p.add_argument("--steps", type=int, default=500, help="LoRA steps")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
@@ -118,7 +122,7 @@ def calculator_missions(n, seed, fmt, split="train", ms=None):
 
 
 def training_examples(tok, fmt, args):
-    pool = [e.mission for e in toolpool.training_set(args.episodes, args.seed, fmt)]
+    pool = [e.mission for e in toolpool.training_set(args.episodes, args.seed, fmt, absent=args.absent)]
     calc, _ = calculator_missions(args.calculator, args.seed, fmt)
     exs = demo.examples(pool + calc, tok)
     random.Random(args.seed).shuffle(exs)
@@ -144,8 +148,8 @@ def adapters_for(base, cfg, tok, fmt, new_rows, args):
             train.save_checkpoint(path, adapters, None, cfg, tcfg, tcfg.steps, extra=done)
         return dict(params=adapters, extra=done)
 
-    recipe = dict(data="toolpool-5", episodes=args.episodes, calculator=args.calculator, rank=args.rank,
-                  alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
+    recipe = dict(data="toolpool-5", absent=args.absent, episodes=args.episodes, calculator=args.calculator,
+                  rank=args.rank, alpha=args.alpha, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_read_tools", recipe, train_fn, retrain=args.retrain, quick=args.quick, params_like=like)
     return c["params"], dict(c["extra"], traces=len(exs), longest_tokens=longest, cached=c["cached"],
                              tcfg=dataclasses.asdict(tcfg), checkpoint=common.in_repo(c["path"]) if c["path"] else None)
@@ -270,7 +274,7 @@ def small_model(args):
     """The demo's small model (tasks/calculator/demo.SMALL), trained from scratch on the same traces with a
     BPE of 1,024 pieces learned on them -> (params, cfg, tok, fmt, training). Cached by recipe."""
     fmt = chat.CHATML
-    pool = [e.mission for e in toolpool.training_set(args.episodes, args.seed, fmt)]
+    pool = [e.mission for e in toolpool.training_set(args.episodes, args.seed, fmt, absent=args.absent)]
     calc, _ = calculator_missions(args.calculator, args.seed, fmt)
     text = "\n".join(chat.text(m.trace) for m in pool + calc)
     tok = tk.train(text, vocab_size=1024, pattern=tk.SMOLLM_PATTERN, specials=fmt.specials)
@@ -288,8 +292,8 @@ def small_model(args):
             train.save_checkpoint(path, params, None, cfg, tcfg, tcfg.steps, tokenizer=tok, extra=done)
         return dict(params=params, extra=done)
 
-    recipe = dict(data="toolpool-5", episodes=args.episodes, calculator=args.calculator, arch=demo.SMALL,
-                  vocab=1024, tcfg=dataclasses.asdict(tcfg))
+    recipe = dict(data="toolpool-5", absent=args.absent, episodes=args.episodes, calculator=args.calculator,
+                  arch=demo.SMALL, vocab=1024, tcfg=dataclasses.asdict(tcfg))
     c = common.cached("08_small", recipe, train_fn, retrain=args.retrain, quick=args.quick)
     training = dict(c["extra"], traces=len(exs), cached=c["cached"], tcfg=dataclasses.asdict(tcfg),
                     checkpoint=common.in_repo(c["path"]) if c["path"] else None)
