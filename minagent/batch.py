@@ -401,16 +401,17 @@ class Batch:
             for s in running:
                 if s.mask is not None:
                     allowed_BxV[s.slot] = s.mask(s.tokens[s.stretch:])
-        later, logits_BxV = self.runner.decode(self.state, self.temperature, self.top_k,
-                                               allowed_BxV)
-        self.state.tokens_B[:] = later.tokens_B       # the one device -> host sync of the step
+        later, logits_RxV, rows_R = self.runner.decode(self.state, self.temperature, self.top_k,
+                                                       allowed_BxV)
+        self.state.tokens_B[:] = later.tokens_B
         self.state.lengths_B[:] = later.lengths_B
-        logits_BxV = np.asarray(logits_BxV) if self.keep_logits else None
+        if self.keep_logits:
+            logits_RxV, row = np.asarray(logits_RxV), {slot: r for r, slot in enumerate(rows_R)}
         out = {}
         for seq in running:
             token = out[seq.id] = int(self.state.tokens_B[seq.slot])
             if self.keep_logits:
-                seq.logits.append(logits_BxV[seq.slot])
+                seq.logits.append(logits_RxV[row[seq.slot]])
             seq.positions += 1                             # its pending token, pushed
             self._took(seq, token)
         return out

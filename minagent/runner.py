@@ -8,7 +8,7 @@ turns those decisions into fixed-shape arrays and runs decode.py's steps on them
     runner = Runner(params, cfg, RunnerConfig(), slots=8, n_pages=64, page_size=16, max_len=256)
     logits = runner.prefill({0: (tokens, start, pages), ...})  # new tokens into their pages
     tokens_R = runner.sample(logits, seeds_R, positions_R)     # each prefill row's next token
-    later, logits_BxV = runner.decode(slots)                   # one token for every active slot
+    later, logits_RxV, rows_R = runner.decode(slots)           # one token for every active slot
     runner.warmup()                                            # compile every shape now
 
 Shapes. A step reads every page in its table's width, so a step gets only as many columns
@@ -20,6 +20,12 @@ short ones are close together because an agent's chunks are short (a prompt of a
 tokens; a tool's result with the markers around it, 8 to 17 tokens in SmolLM2's chat format),
 and every padding position costs as much as a real one. Each bucket is one more shape to
 compile, for every width.
+
+Rows. A decode step computes only the active slots (running; not paused, finished or free),
+padded with idle ones up to the smallest row count that holds them: 8, 16, 32, ... slots. In an
+agent's batch half the slots can be waiting for a tool or done while the others decode (64
+episodes of SmolLM2: 43 % of the slot-steps held a sequence), and an idle row costs a decode
+step as much as a busy one. Each row count is one more shape to compile, for every width.
 
 On a mesh (mesh.py) device d holds its block of slots and its own n_pages pages: page ids
 are global (device d's: d * P to d * P + P - 1, the first its null page), and each device
@@ -50,6 +56,8 @@ class RunnerConfig:
     per_layer      hold the weights as a list of layers (unstack_layers) rather than stacked;
                    default: on CPU only
     mesh           a one-axis "data" mesh of D devices (mesh.data_mesh), or None for one device
+    decode_rows    the row counts a decode step runs at (one compiled shape each, for every
+                   width; the slot count is always one); on a mesh, every slot, always
     """
     prefill_rows: int = 4
     buckets: tuple = (8, 12, 16, 24, 32, 64, 256, 1024)
@@ -57,6 +65,7 @@ class RunnerConfig:
     cache_dtype: str | None = None
     per_layer: bool | None = None
     mesh: object = None
+    decode_rows: tuple = (8, 16, 32, 64, 128, 256)
 
 
 def unstack_layers(params):
@@ -90,6 +99,8 @@ class Runner:
             raise ValueError(f"buckets={rc.buckets!r}: prefill lengths, integers >= 1")
         if not integer(rc.prefill_rows) or rc.prefill_rows < 1:
             raise ValueError(f"prefill_rows={rc.prefill_rows!r}: an integer >= 1")
+        if not all(integer(r) and r >= 1 for r in rc.decode_rows):
+            raise ValueError(f"decode_rows={rc.decode_rows!r}: row counts, integers >= 1")
         if rc.attention not in ("gather", "pallas"):
             raise ValueError(f"attention={rc.attention!r}: 'gather' or 'pallas'")
         if rc.attention == "pallas":
@@ -113,6 +124,8 @@ class Runner:
         self.buckets = sorted({min(b, max_len) for b in rc.buckets})
         W = pages_for(max_len, page_size)
         self.widths = sorted({min(2 ** i, W) for i in range(W.bit_length() + 1)})
+        # On a mesh each device steps its own block of slots: all of them, always.
+        self.rows = [slots] if D > 1 else sorted({r for r in rc.decode_rows if r < slots} | {slots})
         self.compiles = 0                          # traces of the jitted steps this runner caused
 
     def width(self, n_positions):
@@ -151,25 +164,38 @@ class Runner:
         self.compiles += sum(decode.TRACES.values()) - before
         return np.asarray(tokens_B)
 
+    def step_rows(self, active_B):
+        """The slots a decode step computes: the active ones, then idle ones up to the smallest
+        row count that holds them -> int [R], in slot order."""
+        active = np.flatnonzero(active_B)
+        R = next(r for r in self.rows if r >= len(active))
+        idle = np.flatnonzero(~np.asarray(active_B, bool))[:R - len(active)]
+        return np.sort(np.concatenate([active, idle]))
+
     def decode(self, slots, temperature=0.0, top_k=0, allowed_BxV=None):
-        """One decode step for every active slot -> (the Slots one token later, logits_BxV
-        on the device)."""
+        """One decode step for every active slot -> (the Slots one token later, on the host;
+        logits_RxV on the device; rows_R: the slot of each row of the logits)."""
         # + 1: the pending token's position is written too
         W = self.width(int(slots.lengths_B[slots.active_B].max(initial=0)) + 1)
-        narrow = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW[:, :W])
-        later, logits_BxV, self.kv = self._run(decode.decode_step, narrow, temperature, top_k,
-                                               allowed_BxV, self.attention)
-        return later, logits_BxV
+        rows_R = self.step_rows(slots.active_B)
+        part = _rows_of(slots, rows_R, W)
+        allowed_RxV = None if allowed_BxV is None else allowed_BxV[rows_R]
+        later, logits_RxV, self.kv = self._run(decode.decode_step, part, temperature, top_k,
+                                               allowed_RxV, self.attention)
+        return _put_rows(slots, rows_R, later), logits_RxV, rows_R
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
         """n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB
-        on the host)."""
+        on the host: -1 where a slot sampled nothing)."""
         reach_B = slots.lengths_B + np.minimum(n, left_B)
         W = self.width(int(reach_B[slots.active_B].max(initial=0)))
-        narrow = dataclasses.replace(slots, page_table_BxW=slots.page_table_BxW[:, :W])
-        later, tokens_NxB, self.kv = self._run(decode.decode_steps, narrow, left_B, ends_V, n,
-                                               temperature, top_k, self.attention)
-        return later, np.asarray(tokens_NxB)
+        rows_R = self.step_rows(slots.active_B)
+        later, tokens_NxR, self.kv = self._run(decode.decode_steps, _rows_of(slots, rows_R, W),
+                                               left_B[rows_R], ends_V, n, temperature, top_k,
+                                               self.attention)
+        tokens_NxB = np.full((n, self.slots), -1, np.int32)
+        tokens_NxB[:, rows_R] = np.asarray(tokens_NxR)
+        return _put_rows(slots, rows_R, later), tokens_NxB
 
     def warmup(self, temperature=0.0, top_k=0, masked=False):
         """Compile every shape the steps can use (prefill: bucket x width; decode: width) on
@@ -191,10 +217,11 @@ class Runner:
         for allowed in [None] + ([np.ones((n_rows, V), bool)] if masked else []):
             self.sample(logits_RxV, zeros_R, zeros_R, temperature, top_k, allowed)
         for W in self.widths:
-            idle = decode.Slots.idle(B, W)
-            for allowed in [None] + ([np.ones((B, V), bool)] if masked else []):
-                _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k, allowed,
-                                          self.attention)
+            for R in self.rows:
+                idle = decode.Slots.idle(R, W)
+                for allowed in [None] + ([np.ones((R, V), bool)] if masked else []):
+                    _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k,
+                                              allowed, self.attention)
 
     def _run(self, step, *args):
         """Call a step of decode.py on this runner's weights and cache (over the mesh if there
@@ -206,6 +233,20 @@ class Runner:
             out = ON_MESH[step](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before
         return out
+
+
+def _rows_of(slots, rows_R, W):
+    """The Slots of the slots rows_R, with W page-table columns (host arrays)."""
+    part = jax.tree.map(lambda a: a[rows_R], slots)
+    return dataclasses.replace(part, page_table_BxW=part.page_table_BxW[:, :W])
+
+
+def _put_rows(slots, rows_R, later):
+    """slots with rows_R's pending tokens and lengths taken from `later` (their step's Slots):
+    the one device -> host copy of a decode step."""
+    tokens_B, lengths_B = slots.tokens_B.copy(), slots.lengths_B.copy()
+    tokens_B[rows_R], lengths_B[rows_R] = np.asarray(later.tokens_B), np.asarray(later.lengths_B)
+    return dataclasses.replace(slots, tokens_B=tokens_B, lengths_B=lengths_B)
 
 
 # ---------------------------------------------------------------- the steps over a mesh of devices

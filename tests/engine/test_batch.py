@@ -81,7 +81,8 @@ def test_batch_equals_forward(attention, per_layer):
     params, cfg, page_size = PARAMS, CFG, 4
     if attention == "pallas":          # pages and heads of 16 or more (Triton's dot): a wider model, larger pages
         (params, cfg), page_size = tiny_model(d_model=64), 16
-    runner = RunnerConfig(buckets=(4, 16), prefill_rows=2, attention=attention, per_layer=per_layer)
+    runner = RunnerConfig(buckets=(4, 16), prefill_rows=2, attention=attention, per_layer=per_layer,
+                          decode_rows=(1, 2))            # steps of 1 or 2 rows once some have finished
     batch = Batch(params, cfg, slots=3, n_pages=40, page_size=page_size, max_len=64, keep_logits=True, runner=runner)
     assert isinstance(batch.runner.params["layers"], list) == per_layer
     prompts = [[7], [5, 6, 7, 8, 9], list(range(1, 18)), [(3 * j) % V for j in range(40)]]
@@ -170,10 +171,10 @@ def test_no_recompilation_after_warmup():
     """200 sequences of prompt lengths 1..100 and varied limits: nothing compiles after warmup()."""
     rng = np.random.RandomState(0)
     batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, stop_tokens=[0],
-                  runner=RunnerConfig(prefill_rows=2, buckets=(16, 64, 128)))
+                  runner=RunnerConfig(prefill_rows=2, buckets=(16, 64, 128), decode_rows=(2,)))
     batch.warmup()
     warm = batch.compiles
-    assert warm <= 3 * 6 + 6                       # a prefill per (bucket, width), a decode per width (1, ..., 32)
+    assert warm <= 3 * 6 + 2 * 6        # a prefill per (bucket, width), a decode per (rows 2 or 8, width 1, ..., 32)
     for _ in range(200):
         batch.add(list(rng.randint(1, V, rng.randint(1, 101))), int(rng.randint(1, 25)))
     steps = 0
@@ -242,6 +243,41 @@ def test_a_prompt_and_a_result_cost_one_model_call_each(monkeypatch):
     assert sampled == want[n - 1:n + 3]
     np.testing.assert_allclose(seq.logits[0], logits_TxV[n - 1], rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(seq.logits[4], logits_TxV[n + 4 + 2], rtol=2e-4, atol=2e-4)
+
+
+def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
+    """A decode step runs the active slots padded to the smallest row count that holds them
+    (RunnerConfig.decode_rows), not every slot: the same tokens and logits as steps over every
+    slot, with pauses, finishes and resumes moving sequences in and out of the rows."""
+    rows = []                                       # (rows computed, of which active) per decode step
+    real = decode.decode_step
+
+    def decode_step(params, cfg, cache, slots, *args):
+        rows.append((len(slots.active_B), int(np.sum(slots.active_B))))
+        return real(params, cfg, cache, slots, *args)
+    monkeypatch.setattr(decode, "decode_step", decode_step)
+
+    def play(decode_rows):
+        batch = Batch(PARAMS, CFG, slots=6, n_pages=60, page_size=4, max_len=48, temperature=1.0,
+                      pause_tokens=[5], keep_logits=True, runner=RunnerConfig(decode_rows=decode_rows))
+        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + i)], 4 + 3 * i, seed=i) for i in range(6)]
+        for _ in range(2):                          # resume what paused or ran out, once
+            run(batch)
+            for i in ids:
+                if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
+                    batch.send(i, batch.seqs[i].tokens + [7, 8], 5)
+        run(batch)
+        return {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
+
+    every = play(decode_rows=())
+    assert {r for r, _ in rows} == {6}
+    del rows[:]
+    packed = play(decode_rows=(1, 2, 4))
+    assert all(r == min(x for x in (1, 2, 4, 6) if x >= active) for r, active in rows), rows
+    assert {1, 2, 4} <= {r for r, _ in rows}        # the schedule did shrink the rows
+    for i in every:
+        assert packed[i][0] == every[i][0]
+        np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
 
 
 def test_pages_hold_back_then_clear_error():
@@ -317,7 +353,7 @@ def check_invariants(batch):
 def play(schedule, use_cache):
     batch = Batch(PARAMS, CFG, slots=SLOTS, n_pages=1 + SLOTS * pages_for(MAX_LEN, S), page_size=S,
                   max_len=MAX_LEN, pause_tokens=PAUSE, stop_tokens=STOP, reuse_cache=use_cache, temperature=1.0,
-                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2))
+                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2, decode_rows=(1, 2)))
     log, stretch = [], {}
     for o in schedule:
         ids = sorted(batch.seqs)
