@@ -82,7 +82,7 @@ def test_batch_equals_forward(attention, per_layer):
     if attention == "pallas":          # pages and heads of 16 or more (Triton's dot): a wider model, larger pages
         (params, cfg), page_size = tiny_model(d_model=64), 16
     runner = RunnerConfig(buckets=(4, 16), prefill_rows=2, attention=attention, per_layer=per_layer,
-                          decode_rows=(1, 2))            # steps of 1 or 2 rows once some have finished
+                          decode_rows=(2,))              # steps of 2 rows once some have finished
     batch = Batch(params, cfg, slots=3, n_pages=40, page_size=page_size, max_len=64, keep_logits=True, runner=runner)
     assert isinstance(batch.runner.params["layers"], list) == per_layer
     prompts = [[7], [5, 6, 7, 8, 9], list(range(1, 18)), [(3 * j) % V for j in range(40)]]
@@ -258,23 +258,23 @@ def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
     monkeypatch.setattr(decode, "decode_step", decode_step)
 
     def play(decode_rows):
-        batch = Batch(PARAMS, CFG, slots=6, n_pages=60, page_size=4, max_len=48, temperature=1.0,
+        batch = Batch(PARAMS, CFG, slots=6, n_pages=40, page_size=8, max_len=32, temperature=1.0,
                       pause_tokens=[5], keep_logits=True, runner=RunnerConfig(decode_rows=decode_rows))
-        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + i)], 4 + 3 * i, seed=i) for i in range(6)]
+        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + i)], 3 + 2 * i, seed=i) for i in range(6)]
         for _ in range(2):                          # resume what paused or ran out, once
             run(batch)
             for i in ids:
-                if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
-                    batch.send(i, batch.seqs[i].tokens + [7, 8], 5)
+                if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 24:
+                    batch.send(i, batch.seqs[i].tokens + [7, 8], 4)
         run(batch)
         return {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
 
     every = play(decode_rows=())
     assert {r for r, _ in rows} == {6}
     del rows[:]
-    packed = play(decode_rows=(1, 2, 4))
-    assert all(r == min(x for x in (1, 2, 4, 6) if x >= active) for r, active in rows), rows
-    assert {1, 2, 4} <= {r for r, _ in rows}        # the schedule did shrink the rows
+    packed = play(decode_rows=(2, 4))
+    assert all(r == min(x for x in (2, 4, 6) if x >= active) for r, active in rows), rows
+    assert {2, 4} <= {r for r, _ in rows}           # the schedule did shrink the rows
     for i in every:
         assert packed[i][0] == every[i][0]
         np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
@@ -353,7 +353,7 @@ def check_invariants(batch):
 def play(schedule, use_cache):
     batch = Batch(PARAMS, CFG, slots=SLOTS, n_pages=1 + SLOTS * pages_for(MAX_LEN, S), page_size=S,
                   max_len=MAX_LEN, pause_tokens=PAUSE, stop_tokens=STOP, reuse_cache=use_cache, temperature=1.0,
-                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2, decode_rows=(1, 2)))
+                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2, decode_rows=(2,)))
     log, stretch = [], {}
     for o in schedule:
         ids = sorted(batch.seqs)
