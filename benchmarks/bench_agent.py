@@ -44,8 +44,9 @@ and how close the two best logits were there: float differences decide near ties
 Timing: each --threads setting runs in its own process: one thread is one core
 (os.sched_setaffinity) and XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
 intra_op_parallelism_threads=1", torch.set_num_threads and llama.cpp's n_threads. In a process each
-loop first warms up, untimed: minagent compiles every shape its steps can use (Batch.warmup: ~21
-shapes of the 30-layer step per batch size, reported apart as "compiling"), transformers and
+loop first warms up, untimed: minagent compiles every shape its steps can use (Batch.warmup: 43
+shapes of the 30-layer step for one slot, 61 for 64, where a decode step runs at 8, 16, 32 or 64
+rows; reported apart as "compiling"), transformers and
 llama.cpp run one episode (--quick: every loop runs its few episodes once, which compiles only the
 shapes they use). Then one timed run of all the episodes. Reported: episodes per second, wall time
 per episode, positions through the model (tokens pushed, summed: the whole conversation each turn
