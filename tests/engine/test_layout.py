@@ -65,6 +65,28 @@ def test_the_engine_stays_small_enough_to_read():
     assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1050
 
 
+def test_the_readmes_line_counts_are_the_codes():
+    """The README's table of the engine gives each file's lines of code: they are code_lines' count
+    now, and so are its two sums (the reader's path, the whole engine)."""
+    rows = [line.split("|") for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| ") and ("](minagent/" in line or "*the " in line)]
+    path_sum = engine_sum = None
+    listed = 0
+    for cells in rows:
+        number = int(cells[3].strip(" *").replace(",", ""))
+        files = re.findall(r"\]\(minagent/(\w+\.py)\)", cells[2])
+        if files:
+            assert number == sum(code_lines(ROOT / "minagent" / f) for f in files), cells[2]
+            listed += number
+            if cells[1].strip():                   # numbered: on the reader's path
+                path_sum = listed
+        elif "the path above" in cells[2]:
+            assert number == path_sum
+        elif "the engine" in cells[2]:
+            engine_sum = number
+    assert engine_sum == sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py"))
+
+
 def test_no_engine_line_is_wider_than_100_columns():
     """Code, docstrings and comments alike: a reader never scrolls sideways in the engine."""
     wide = [f"{p.name}:{i}" for p in (ROOT / "minagent").glob("*.py")
