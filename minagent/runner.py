@@ -198,7 +198,7 @@ class Runner:
         return _put_rows(slots, rows_R, later), tokens_NxB
 
     def warmup(self, temperature=0.0, top_k=0, masked=False):
-        """Compile every shape the steps can use (prefill: bucket x width; decode: width) on
+        """Compile every shape the steps can use (prefill: bucket x width; decode: rows x width) on
         idle rows.
 
         Idle rows (n_new = 0, active False) write only to the null page, so this changes no
