@@ -4,7 +4,8 @@ Two models per part train on the same missions, the tool user taught to call the
 to answer directly; each runs in the agent loop on 200 additions of two 4-digit numbers with fresh
 numbers, in the training phrasings and in held-out ones (the control has no tool). Also: accuracy
 per mission family, calls per episode, budget exhaustions; "right" is exactly the gold answer.
-(a) small models from scratch, the demo's recipe (minagent/tasks/calculator/demo.py);
+(a) small models from scratch, the demo's model and training settings (minagent/tasks/calculator/demo.py),
+    on the families' mix without the demo's extra 4-digit additions, for --steps steps;
 (b) SmolLM2-135M-Instruct with <|call|> and <|result|> added, fine-tuned through LoRA (and a delta
     for the two new rows), and the same model before training. Checkpoints: experiments/results/03_*.ckpt.
 

@@ -149,3 +149,16 @@ def test_add_numbers_have_one_to_four_digits():
         _, a, b = m.calls[0].split()
         lengths |= {len(a), len(b)}
     assert lengths == {1, 2, 3, 4}
+
+
+def test_the_demos_training_missions_add_four_digit_numbers_other_than_the_tests():
+    """A quarter of the demo's training missions add two 4-digit numbers (demo.training_missions);
+    none of them is one of the demo's 200 test additions, which come from another seed."""
+    from minagent.tasks.calculator import demo
+    ms = demo.training_missions(400, seed=1)
+    four = [m for m in ms if m.family == "add" and all(len(x) == 4 for x in m.calls[0].split()[1:])]
+    others = {m.family for m in ms} - {"add"}
+    assert len(ms) == 400 and len(four) >= 100 and others == set(demo.FAMILIES) - {"add"}
+    assert ms == demo.training_missions(400, seed=1)                       # deterministic
+    tests = {m.calls for m in missions.additions(200, seed=2, split="train")}
+    assert not tests & {m.calls for m in four}
