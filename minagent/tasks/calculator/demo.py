@@ -152,7 +152,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m minagent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     # 500 steps: 200, 197 and 200 additions right in 200 with --seed 0, 1, 2 (experiments/LOG.md,
-    # 2026-12-04); without the extra 4-digit additions 500 steps gave 167 / 200 on one CPU: 800 were needed.
+    # 2026-12-04); without the extra 4-digit additions, 500 steps gave 167 / 200 on one CPU and
+    # 800 were needed.
     p.add_argument("--steps", type=int, default=500,
                    help="training steps for the tool user (the control: as many passes over its data)")
     p.add_argument("--missions", type=int, default=20000, help="training missions")
