@@ -20,7 +20,8 @@ The two trained models and their tokenizer are kept in ~/.cache/minagent/demo/ (
 a name that hashes the arguments and minagent's source files: a second run loads them and goes
 straight to step 3; change the code or an argument and they are trained again (--retrain forces it).
 
-The recipes here are shared with experiments/03_calculator.py and 04_recovery.py.
+The model and training settings here (SMALL, small_tcfg, FAMILIES) are shared with
+experiments/03_calculator.py and 04_recovery.py; the extra 4-digit additions are the demo's own.
 """
 
 import argparse
