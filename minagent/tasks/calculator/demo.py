@@ -52,9 +52,9 @@ def training_missions(n, seed, four_digit_share=0.25):
 
     Why the extra additions: the mix's additions draw each number's length from 1 to 4 digits, so
     only about 1 mission in 50 adds two 4-digit numbers and 1 in 65 has a five-digit answer, while
-    about half of the test's sums have five digits. Copying a five-digit result is what the model
-    learned last: with the mix alone it took 800 steps, with a quarter of 4-digit additions 500
-    (experiments/LOG.md, 2026-12-04). Their numbers come from another seed than the test's.
+    about half of the test's sums have five digits. Copying such long results right is what the
+    model learned last: with the mix alone it took 800 steps, with a quarter of 4-digit additions
+    500 (experiments/LOG.md, 2026-12-04). Their numbers come from another seed than the test's.
     """
     k = round(n * four_digit_share)
     ms = (missions.generate(n - k, seed=seed, split="train", families=FAMILIES)
