@@ -7,7 +7,7 @@ Run: python -m pytest tests/tasks/test_missions.py -q
 import pytest
 
 from minagent import chat, tools
-from minagent.tasks.calculator import missions
+from minagent.tasks.calculator import demo, missions
 from minagent.chat import CHATML, MINAGENT, MODEL, PROGRAM
 from minagent.tasks.calculator.missions import FAMILIES, TEMPLATES, template_regex
 
@@ -153,8 +153,7 @@ def test_add_numbers_have_one_to_four_digits():
 
 def test_the_demos_training_missions_add_four_digit_numbers_other_than_the_tests():
     """A quarter of the demo's training missions add two 4-digit numbers (demo.training_missions);
-    none of them is one of the demo's 200 test additions, which come from another seed."""
-    from minagent.tasks.calculator import demo
+    none of them is one of the demo's 200 test additions, which main draws from another seed."""
     ms = demo.training_missions(400, seed=1)
     four = [m for m in ms if m.family == "add" and all(len(x) == 4 for x in m.calls[0].split()[1:])]
     others = {m.family for m in ms} - {"add"}

@@ -9,7 +9,7 @@
    the tool-using traces (the loss covers only what the model writes: its calls
    and its answers), the control on the same questions answered directly, for
    as many passes over them (its traces are shorter: fewer steps). A quarter of
-   the missions are additions of two 4-digit numbers, the demo's test (why:
+   the missions add two 4-digit numbers, the kind of question step 3 asks (why:
    `training_missions`).
 3. Run 200 additions of two 4-digit numbers through the agent loop: the tool
    user with the calculator, the control without.
@@ -54,7 +54,8 @@ def training_missions(n, seed, four_digit_share=0.25):
     only about 1 mission in 50 adds two 4-digit numbers and 1 in 65 has a five-digit answer, while
     about half of the test's sums have five digits. Copying such long results right is what the
     model learned last: with the mix alone it took 800 steps, with a quarter of 4-digit additions
-    500 (experiments/LOG.md, 2026-12-04). Their numbers come from another seed than the test's.
+    500 (experiments/LOG.md, 2026-12-04). Pass another seed than the test additions' (main: seed
+    + 1 here, seed + 2 for the test), so that no test question is one the model trained on.
     """
     k = round(n * four_digit_share)
     ms = (missions.generate(n - k, seed=seed, split="train", families=FAMILIES)
