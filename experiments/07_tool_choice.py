@@ -241,7 +241,7 @@ def a_few(errors, n):
 def decoding(args, constraint=None):
     """grammar.answers' settings for this experiment."""
     limit = args.limit if constraint is None else grammar.max_chars() + 1
-    return dict(slots=args.slots, limit=limit, runner=RunnerConfig(prefill_rows=8, buckets=(16, 64, 192, 256)))
+    return dict(slots=args.slots, limit=limit, runner=RunnerConfig(prefill_rows=(8,), buckets=(16, 64, 192, 256)))
 
 
 def evaluate(params, cfg, tok, requests, args, constraint=None):

@@ -332,23 +332,27 @@ class Batch:
 
     def _prefill(self, seqs):
         """Push the pending tokens of each sequence that has more than one, and sample its next
-        token from the logits of the last -> {id: token}. Up to prefill_rows rows a device a
-        call, chunks of at most the largest bucket, similar lengths together (less padding).
+        token from the logits of the last -> {id: token}. As many rows a device a call as the
+        Runner's prefill_size gives for what waits, chunks of at most the largest bucket, the
+        shortest first (similar lengths together: less padding).
 
         Sampling here saves a model call a stretch: pushing all but the last pending token and
         leaving that one to the decode step would make a prompt, or a tool's result, cost a
         prefill call and a decode call where one does. A single pending token goes to the
         decode step, where it shares the call with the other slots."""
-        R, biggest = self.runner.prefill_rows, self.runner.buckets[-1]
+        biggest = self.runner.buckets[-1]
         todo, first = [s for s in seqs if len(s.pending) > 1], {}
         while todo := sorted(todo, key=lambda s: len(s.pending)):
+            own = [[s for s in todo if self._device(s.slot) == d]
+                   for d in range(self.runner.n_devices)]
+            R = self.runner.prefill_size([[min(len(s.pending), biggest) for s in mine]
+                                          for mine in own])
             rows = {}                   # prefill row -> sequence: device d's rows from its own
-            for d in range(self.runner.n_devices):
-                own = [s for s in todo if self._device(s.slot) == d][:R]
-                rows.update(enumerate(own, start=d * R))
+            for d, mine in enumerate(own):
+                rows.update(enumerate(mine[:R], start=d * R))
             chunks = {b: s.pending[:biggest] for b, s in rows.items()}
             logits_RxV = self.runner.prefill({b: (chunks[b], s.cached, s.pages)
-                                              for b, s in rows.items()})
+                                              for b, s in rows.items()}, R)
             for b, seq in rows.items():
                 del seq.pending[:len(chunks[b])]
                 seq.positions += len(chunks[b])

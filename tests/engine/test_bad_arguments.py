@@ -22,7 +22,9 @@ PARAMS = model.init(jax.random.PRNGKey(0), CFG)
     (dict(page_size=0), "page_size=0"), (dict(slots=0), "slots=0"), (dict(n_pages=1), "n_pages=1"),
     (dict(temperature=-0.5), "temperature=-0.5"), (dict(temperature=float("nan")), "temperature=nan"),
     (dict(top_k=-1), "top_k=-1"), (dict(max_len=2.5), "max_len=2.5"),
-    (dict(runner=RunnerConfig(buckets=())), "buckets=()"), (dict(runner=RunnerConfig(prefill_rows=0)), "prefill_rows=0"),
+    (dict(runner=RunnerConfig(buckets=())), "buckets=()"), (dict(runner=RunnerConfig(prefill_rows=(0,))), "prefill_rows=(0,)"),
+    (dict(runner=RunnerConfig(prefill_rows=())), "prefill_rows=()"),
+    (dict(runner=RunnerConfig(prefill_positions=0)), "prefill_positions=0"),
     (dict(runner=RunnerConfig(attention="flash")), "attention='flash'"),
     (dict(runner=RunnerConfig(mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)))), "one axis, 'data'"),
 ])

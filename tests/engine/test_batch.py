@@ -81,7 +81,7 @@ def test_batch_equals_forward(attention, per_layer):
     params, cfg, page_size = PARAMS, CFG, 4
     if attention == "pallas":          # pages and heads of 16 or more (Triton's dot): a wider model, larger pages
         (params, cfg), page_size = tiny_model(d_model=64), 16
-    runner = RunnerConfig(buckets=(4, 16), prefill_rows=2, attention=attention, per_layer=per_layer,
+    runner = RunnerConfig(buckets=(4, 16), prefill_rows=(1, 2), attention=attention, per_layer=per_layer,
                           decode_rows=(2,))              # steps of 2 rows once some have finished
     batch = Batch(params, cfg, slots=3, n_pages=40, page_size=page_size, max_len=64, keep_logits=True, runner=runner)
     assert isinstance(batch.runner.params["layers"], list) == per_layer
@@ -171,10 +171,13 @@ def test_no_recompilation_after_warmup():
     """200 sequences of prompt lengths 1..100 and varied limits: nothing compiles after warmup()."""
     rng = np.random.RandomState(0)
     batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, stop_tokens=[0],
-                  runner=RunnerConfig(prefill_rows=2, buckets=(16, 64, 128), decode_rows=(2,)))
+                  runner=RunnerConfig(prefill_rows=(2, 8), prefill_positions=128, buckets=(16, 64, 128),
+                                      decode_rows=(2,)))
     batch.warmup()
     warm = batch.compiles
-    assert warm <= 3 * 6 + 2 * 6        # a prefill per (bucket, width), a decode per (rows 2 or 8, width 1, ..., 32)
+    # a prefill per (rows 2, bucket, width) and (rows 8, bucket 16, width), a sample per prefill row count,
+    # a decode per (rows 2 or 8, width 1, ..., 32)
+    assert warm <= 3 * 6 + 6 + 2 + 2 * 6
     for _ in range(200):
         batch.add(list(rng.randint(1, V, rng.randint(1, 101))), int(rng.randint(1, 25)))
     steps = 0
@@ -280,6 +283,56 @@ def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
         np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
 
 
+def test_prefill_calls_take_as_many_rows_as_wait(monkeypatch):
+    """A prefill call runs at the largest row count the waiting chunks fill (RunnerConfig.prefill_rows)
+    whose bucket it serves (rows x bucket <= prefill_positions), the rest at the smallest: fewer calls
+    than one row at a time, and the same tokens and logits."""
+    calls = []                                      # (rows computed, rows holding a chunk, bucket)
+    real = decode.prefill_step
+
+    def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW):
+        calls.append((len(n_new_B), int(np.sum(np.asarray(n_new_B) > 0)), tokens_BxT.shape[1]))
+        return real(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW)
+    monkeypatch.setattr(decode, "prefill_step", prefill_step)
+
+    def play(prefill_rows):
+        batch = Batch(PARAMS, CFG, slots=8, n_pages=80, page_size=8, max_len=48, pause_tokens=[5],
+                      keep_logits=True, runner=RunnerConfig(prefill_rows=prefill_rows, buckets=(4, 8, 16),
+                                                            prefill_positions=16))
+        ids = [batch.add([1 + (5 * i + j) % (V - 1) for j in range(2 + 3 * (i % 4))], 4, seed=i)
+               for i in range(8)]
+        for _ in range(2):                          # every sequence resumes with a result of 3 tokens
+            run(batch)
+            for i in ids:
+                batch.send(i, batch.seqs[i].tokens + [7, 8, 9], 4)
+        run(batch)
+        return {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
+
+    alone = play(prefill_rows=(1,))
+    n_alone = len(calls)
+    assert {r for r, _, _ in calls} == {1}
+    del calls[:]
+    together = play(prefill_rows=(1, 2, 4))
+    assert len(calls) < n_alone / 2, (len(calls), n_alone)
+    assert all(r == 1 or r * bucket <= 16 for r, _, bucket in calls), calls      # only shapes it serves
+    assert {(4, 4, 4), (2, 2, 8)} <= set(calls), calls                # the larger counts did run, full
+    for i in alone:
+        assert together[i][0] == alone[i][0]
+        np.testing.assert_allclose(together[i][1], alone[i][1], atol=1e-5, rtol=0)
+
+
+def test_prefill_size_fills_the_largest_row_count_it_can():
+    runner = Batch(PARAMS, CFG, slots=64, n_pages=2, page_size=4, max_len=1024).runner   # the defaults
+    assert runner.prefill_rows == [4, 16, 64] and runner.prefill_positions == 1024
+    assert runner.prefill_size([[10] * 42]) == 16          # 42 results: 16, 16, then 4s
+    assert runner.prefill_size([[10] * 64]) == 64          # 64 x bucket 12 = 768 positions
+    assert runner.prefill_size([[30] * 64]) == 16          # 64 x 32 is over 1,024: 16
+    assert runner.prefill_size([[10] * 3]) == 4            # fewer than 4: padded to 4
+    assert runner.prefill_size([[10] * 15 + [300] * 9]) == 4   # the 16 shortest hold a 300-token chunk
+    assert runner.prefill_size([[10] * 16 + [300] * 9]) == 16  # the 16 shortest are short
+    assert runner.prefill_size([[], [10] * 20]) == 16      # a mesh: some device fills it
+
+
 def test_pages_hold_back_then_clear_error():
     batch = Batch(PARAMS, CFG, slots=2, n_pages=1 + 5, page_size=4, max_len=40)
     a = batch.add([1, 2, 3, 4], 13)                # 16 positions: 4 pages
@@ -353,7 +406,7 @@ def check_invariants(batch):
 def play(schedule, use_cache):
     batch = Batch(PARAMS, CFG, slots=SLOTS, n_pages=1 + SLOTS * pages_for(MAX_LEN, S), page_size=S,
                   max_len=MAX_LEN, pause_tokens=PAUSE, stop_tokens=STOP, reuse_cache=use_cache, temperature=1.0,
-                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2, decode_rows=(2,)))
+                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=(2,), decode_rows=(2,)))
     log, stretch = [], {}
     for o in schedule:
         ids = sorted(batch.seqs)

@@ -136,7 +136,7 @@ def serve(mesh, seed, slots=8, n=1):
     # device could hold parked ones that all wait for more pages there, a schedule the caller must break.
     batch = Batch(params, cfg, slots=slots, n_pages=1 + 12 * 10, page_size=4, max_len=40,
                   temperature=1.0, pause_tokens=[3], stop_tokens=[4],
-                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=2, mesh=mesh))
+                  runner=RunnerConfig(buckets=(4, 16), prefill_rows=(2,), mesh=mesh))
     rng = np.random.RandomState(seed)
     ids = [batch.add(list(rng.randint(5, V, rng.randint(1, 20))), int(rng.randint(1, 12))) for _ in range(12)]
     sent, pauses, parks = dict.fromkeys(ids, 0), 0, 0
