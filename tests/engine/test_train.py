@@ -40,6 +40,21 @@ def as_jnp(batch):
 LOSS_AND_GRAD = jax.jit(jax.value_and_grad(tr.loss_fn, has_aux=True), static_argnums=1)
 
 
+def assert_same_gradient(g_a, g_b):
+    """Bit for bit on CPU. On a GPU, XLA adds a scatter (the embedding table's gradient, where a
+    token occurs more than once) with atomic adds, in whatever order the threads arrive, so two
+    runs of the same program differ in the last bits (on an H200: 1.5e-8, one or two float32 ulps):
+    there, equal to float32 rounding. (XLA's --xla_gpu_deterministic_ops would make them exact, but
+    it also changes the decode step's buffers: test_decode's check that no step copies the cache
+    then sees a 32 MiB temporary; the tests run the kernels users run.)"""
+    for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:
+            a, b = np.asarray(a), np.asarray(b)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(np.abs(a).max()))
+
+
 # ---------------------------------------------------------------- 1. the mask is exact
 
 def test_mask_from_authors_known_answer():
@@ -75,8 +90,7 @@ def test_program_targets_do_not_change_loss_or_gradient(params):
     (loss_a, _), g_a = LOSS_AND_GRAD(params, TINY, as_jnp(batch))
     (loss_b, _), g_b = LOSS_AND_GRAD(params, TINY, as_jnp(other))
     assert float(loss_a) == float(loss_b)
-    for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
-        np.testing.assert_array_equal(a, b)
+    assert_same_gradient(g_a, g_b)
 
 
 def test_trailing_tool_result_does_not_change_loss_or_gradient(params):
@@ -90,8 +104,7 @@ def test_trailing_tool_result_does_not_change_loss_or_gradient(params):
     (loss_a, _), g_a = LOSS_AND_GRAD(params, TINY, as_jnp(tr.pack([(tokens, authors), neighbour], 64)))
     (loss_b, _), g_b = LOSS_AND_GRAD(params, TINY, as_jnp(tr.pack([(changed, authors), neighbour], 64)))
     assert float(loss_a) == float(loss_b)
-    for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
-        np.testing.assert_array_equal(a, b)
+    assert_same_gradient(g_a, g_b)
 
 
 # ---------------------------------------------------------------- 2. normalisation
