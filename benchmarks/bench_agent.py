@@ -41,12 +41,13 @@ Checks before timing: transformers' and llama.cpp's logits against minagent's on
 identical ones (same calls, same answers), and where any part (the first token that differs,
 and how close the two best logits were there: float differences decide near ties).
 
-Timing: each --threads setting runs in its own process: one thread is one core
-(os.sched_setaffinity) and XLA_FLAGS="--xla_cpu_multi_thread_eigen=false
-intra_op_parallelism_threads=1", torch.set_num_threads and llama.cpp's n_threads. In a process each
-loop first warms up, untimed: minagent compiles every shape its steps can use (Batch.warmup: 43
-shapes of the 30-layer step for one slot, 61 for 64, where a decode step runs at 8, 16, 32 or 64
-rows; reported apart as "compiling"), transformers and
+Timing: each --threads setting runs in processes of its own (each of minagent's loops in one, the
+other loops together in another): one thread is one core (os.sched_setaffinity) and
+XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+torch.set_num_threads and llama.cpp's n_threads. In a process each loop first warms up, untimed:
+minagent compiles every shape its steps can use (Batch.warmup: 43 shapes of the 30-layer step for
+one slot, 94 for 64, where a prefill call runs at 4 or 16 rows and a decode step at 8, 16, 32 or 64;
+reported apart as "compiling"), transformers and
 llama.cpp run one episode (--quick: every loop runs its few episodes once, which compiles only the
 shapes they use). Then one timed run of all the episodes. Reported: episodes per second, wall time
 per episode, positions through the model (tokens pushed, summed: the whole conversation each turn
@@ -734,17 +735,30 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
 
 
 def run_worker(plan, threads, tmp):
-    """One process for one thread setting: `threads` cores (the last ones) and as many threads for
-    each library. XLA sizes its pool when jax starts, so this must be decided before: a new process."""
+    """Processes for one thread setting: `threads` cores (the last ones) and as many threads for each
+    library. XLA sizes its pool when jax starts, so this must be decided before: a new process. Each
+    of minagent's loops gets a process of its own: each warms up every shape its Batch can use, and
+    two such warm-ups of SmolLM2 in one process (94 and 43 compiled steps, about a thousand memory
+    mappings each) exceed Linux's 65,530 mappings a process: LLVM aborts. The other loops share one."""
     cores = sorted(os.sched_getaffinity(0))[-threads:]
-    plan_path, out_path = tmp / f"plan_{threads}.json", tmp / f"worker_{threads}.json"
-    plan_path.write_text(json.dumps({**plan, "threads": threads}))
     env = {**os.environ, CORES: ",".join(map(str, cores))}
     if threads == 1:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + ONE_THREAD_XLA).strip()
-    subprocess.run([sys.executable, __file__, "--worker", str(plan_path), "--out", str(out_path)], env=env,
-                   check=True)
-    return json.loads(out_path.read_text())
+    ours = [name for name in plan["loops"] if name.startswith("minagent")]
+    groups = [[name] for name in ours] + [[name for name in plan["loops"] if name not in ours]]
+    merged = None
+    for g, loops in enumerate(group for group in groups if group):
+        plan_path, out_path = tmp / f"plan_{threads}_{g}.json", tmp / f"worker_{threads}_{g}.json"
+        plan_path.write_text(json.dumps({**plan, "threads": threads, "loops": loops}))
+        subprocess.run([sys.executable, __file__, "--worker", str(plan_path), "--out", str(out_path)], env=env,
+                       check=True)
+        out = json.loads(out_path.read_text())
+        if merged is None:
+            merged = out                  # its bandwidth and bare products stand for the setting
+        else:
+            merged["loops"].update(out["loops"])
+            merged["versions"].update(out["versions"])
+    return merged
 
 
 # ---------------------------------------------------------------- comparing the episodes

@@ -22,13 +22,19 @@ tokens; a tool's result with the markers around it, 8 to 17 tokens in SmolLM2's 
 and every padding position costs as much as a real one. Each bucket is one more shape to
 compile, for every width.
 
-Prefill rows. A prefill call computes 4, 16 or 64 rows: as many chunks as wait, up to the
-largest of those they fill, the few left over in the smallest (padded). A call reads every
-weight once, however many rows it pushes, so one call of 16 tool results costs far less than
-four calls of 4 (SmolLM2 on 2 CPU cores: a call of 4 rows of 12 tokens 54 ms, 1 ms a position;
-16 rows of 64, 0.6 ms a position). The larger row counts serve chunks of up to
-prefill_positions / rows tokens (64 rows: up to 16), so that they add shapes only where
-short chunks wait together: prompts at the start of a batch, tool results coming back.
+Prefill rows. A prefill call computes 4 or 16 rows: as many waiting chunks as fill 16, the
+few left over in 4 (padded). A call reads every weight once, however many rows it pushes, and
+larger products run closer to the cores' peak, so one call of 16 tool results costs less than
+four calls of 4 (SmolLM2 on 2 CPU cores: 146 ms against 4 x 51 ms for chunks of 12 tokens;
+64 episodes' prefill 4.4 -> 3.6 s). The larger row count serves chunks of up to
+prefill_positions / 16 tokens, so that it adds shapes only where short chunks wait together:
+prompts at the start of a batch, tool results coming back.
+
+Every shape is one more compiled step, and on CPU one more thousand or so memory mappings
+(SmolLM2's step with its 30 layers unrolled, per_layer: 976; stacked: 137), where Linux allows a
+process 65,530 by default: a 64-slot SmolLM2 batch's warm-up compiles 94 shapes, and a second
+batch warmed up in the same process can run LLVM out of mappings (an abort, "Cannot allocate
+memory"). Fewer buckets or row counts, per_layer=False, or a process per batch keep under it.
 
 Rows. A decode step computes only the active slots (running; not paused, finished or free),
 padded with idle ones up to the smallest row count that holds them: 8, 16, 32, ... slots. In an
@@ -60,7 +66,7 @@ class RunnerConfig:
     prefill_rows   the row counts a prefill call runs at (on each device; one compiled shape each,
                    for every bucket it serves and every width)
     prefill_positions  a row count above the smallest serves only buckets T with rows x T
-                   at most this: long chunks go 4 at a time, short ones up to 64
+                   at most this: long chunks go 4 at a time, short ones up to 16
     buckets        the lengths a prefill chunk is padded to (one compiled shape each)
     attention      "gather" or "pallas": how a decode step reads a row's pages (decode.extend)
     cache_dtype    the KV cache's dtype; default: the weights' dtype on a GPU, float32 elsewhere
@@ -71,7 +77,7 @@ class RunnerConfig:
     decode_rows    the row counts a decode step runs at (one compiled shape each, for every
                    width; the slot count is always one); on a mesh, every slot, always
     """
-    prefill_rows: tuple = (4, 16, 64)
+    prefill_rows: tuple = (4, 16)
     prefill_positions: int = 1024
     buckets: tuple = (8, 12, 16, 24, 32, 64, 256, 1024)
     attention: str = "gather"

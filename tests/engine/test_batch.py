@@ -322,8 +322,8 @@ def test_prefill_calls_take_as_many_rows_as_wait(monkeypatch):
 
 
 def test_prefill_size_fills_the_largest_row_count_it_can():
-    runner = Batch(PARAMS, CFG, slots=64, n_pages=2, page_size=4, max_len=1024).runner   # the defaults
-    assert runner.prefill_rows == [4, 16, 64] and runner.prefill_positions == 1024
+    runner = Batch(PARAMS, CFG, slots=64, n_pages=2, page_size=4, max_len=1024,
+                   runner=RunnerConfig(prefill_rows=(4, 16, 64), prefill_positions=1024)).runner
     assert runner.prefill_size([[10] * 42]) == 16          # 42 results: 16, 16, then 4s
     assert runner.prefill_size([[10] * 64]) == 64          # 64 x bucket 12 = 768 positions
     assert runner.prefill_size([[30] * 64]) == 16          # 64 x 32 is over 1,024: 16
