@@ -32,10 +32,9 @@ prompts at the start of a batch, tool results coming back.
 
 Every shape is one more compiled step, and on CPU one more thousand or so memory mappings
 (SmolLM2's step with its 30 layers unrolled, per_layer: 976; stacked: 137), where Linux allows a
-process 65,530 by default. A 64-slot SmolLM2 batch's warm-up compiles 94 shapes, stacked (about
-13,000 mappings); with its layers unrolled, 113 compiled shapes reached 57,442, and a second
-batch warmed up in the same process ran LLVM out of mappings (an abort, "Cannot allocate
-memory"). Fewer buckets or row counts, stacked layers, or a process per batch keep under it.
+process 65,530 by default: a 64-slot SmolLM2 batch's warm-up compiles 94 shapes, and a second
+batch warmed up in the same process can run LLVM out of mappings (an abort, "Cannot allocate
+memory"). Fewer buckets or row counts, per_layer=False, or a process per batch keep under it.
 
 Rows. A decode step computes only the active slots (running; not paused, finished or free),
 padded with idle ones up to the smallest row count that holds them: 8, 16, 32, ... slots. In an
@@ -73,7 +72,7 @@ class RunnerConfig:
     cache_dtype    the KV cache's dtype; default: the weights' dtype on a GPU, float32 elsewhere
                    (XLA on CPU would convert a bfloat16 pool to float32 and back in every layer)
     per_layer      hold the weights as a list of layers (unstack_layers) rather than stacked;
-                   default: on CPU, for at most PER_LAYER_SLOTS slots a device
+                   default: on CPU only
     mesh           a one-axis "data" mesh of D devices (mesh.data_mesh), or None for one device
     decode_rows    the row counts a decode step runs at (one compiled shape each, for every
                    width; the slot count is always one); on a mesh, every slot, always
@@ -88,14 +87,6 @@ class RunnerConfig:
     decode_rows: tuple = (8, 16, 32, 64, 128, 256)
 
 
-# The most slots (a device) for which the Runner holds the weights per layer on CPU by default:
-# where the step's rows are few, reading weights in place beats the scan's copies (SmolLM2, batch
-# 1: 0.63x the scan's step time; batch 8: 0.88x); with more rows the products dominate and the
-# scan is as fast (64 agent episodes of SmolLM2 in one batch: 6.37 s stacked against 6.44 s per
-# layer, 2 CPU cores) while it compiles several times faster and holds a seventh of the mappings.
-PER_LAYER_SLOTS = 8
-
-
 def unstack_layers(params):
     """params whose "layers" are stacked [L, ...] arrays (model.py's layout) -> the same params
     with "layers" a list of L per-layer dicts. The Runner does this once on CPU; extend accepts
@@ -106,8 +97,7 @@ def unstack_layers(params):
     (SmolLM2 on 2 CPU cores: the step at batch 1 takes about two thirds of the scan's time).
     The price: the step is traced layer by layer, so a deep model compiles more slowly (about
     ten times longer), and every call passes 9 arrays a layer (SmolLM2: 270), whose dispatch a
-    fast GPU step would feel; so off a CPU the weights stay stacked (RunnerConfig.per_layer),
-    and on CPU too for batches of more than PER_LAYER_SLOTS slots.
+    fast GPU step would feel; so off a CPU the weights stay stacked (RunnerConfig.per_layer).
     """
     layers = params["layers"]
     if isinstance(layers, list):
@@ -141,8 +131,7 @@ class Runner:
         if self.mesh is not None and (self.mesh.axis_names != ("data",) or slots % D):
             raise ValueError(f"mesh {dict(self.mesh.shape)} for {slots} slots: one axis, 'data', "
                              f"dividing the slots")
-        few_slots = jax.default_backend() == "cpu" and slots // D <= PER_LAYER_SLOTS
-        if rc.per_layer if rc.per_layer is not None else few_slots:
+        if rc.per_layer if rc.per_layer is not None else jax.default_backend() == "cpu":
             params = unstack_layers(params)
         cache_dtype = rc.cache_dtype or (cfg.dtype if jax.default_backend() == "gpu" else "float32")
         self.params, self.cfg, self.attention = params, cfg, rc.attention
