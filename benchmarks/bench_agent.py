@@ -737,9 +737,11 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
 def run_worker(plan, threads, tmp):
     """Processes for one thread setting: `threads` cores (the last ones) and as many threads for each
     library. XLA sizes its pool when jax starts, so this must be decided before: a new process. Each
-    of minagent's loops gets a process of its own: each warms up every shape its Batch can use, and
-    two such warm-ups of SmolLM2 in one process (94 and 43 compiled steps, about a thousand memory
-    mappings each) exceed Linux's 65,530 mappings a process: LLVM aborts. The other loops share one."""
+    of minagent's loops gets a process of its own, so that neither runs beside the other's compiled
+    steps: each warms up every shape its Batch can use, and on CPU each compiled SmolLM2 step holds
+    up to a thousand memory mappings (runner.py, "Shapes"): after a 64-slot warm-up of 113 shapes,
+    the one-slot warm-up in the same process aborted in LLVM, out of Linux's 65,530 mappings a
+    process. The other loops share one process."""
     cores = sorted(os.sched_getaffinity(0))[-threads:]
     env = {**os.environ, CORES: ",".join(map(str, cores))}
     if threads == 1:

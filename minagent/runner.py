@@ -32,9 +32,10 @@ prompts at the start of a batch, tool results coming back.
 
 Every shape is one more compiled step, and on CPU one more thousand or so memory mappings
 (SmolLM2's step with its 30 layers unrolled, per_layer: 976; stacked: 137), where Linux allows a
-process 65,530 by default: a 64-slot SmolLM2 batch's warm-up compiles 94 shapes, and a second
-batch warmed up in the same process can run LLVM out of mappings (an abort, "Cannot allocate
-memory"). Fewer buckets or row counts, per_layer=False, or a process per batch keep under it.
+process 65,530 by default. A 64-slot SmolLM2 batch's warm-up compiles 94 shapes (113 with a row
+count of 64 as well reached 57,442 mappings), and a second batch warmed up in the same process
+can run LLVM out of them (an abort, "Cannot allocate memory"). Fewer buckets or row counts,
+per_layer=False (5 % slower decode steps at 8 to 64 rows), or a process per batch keep under it.
 
 Rows. A decode step computes only the active slots (running; not paused, finished or free),
 padded with idle ones up to the smallest row count that holds them: 8, 16, 32, ... slots. In an
