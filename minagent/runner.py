@@ -26,7 +26,7 @@ Prefill rows. A prefill call computes 4 or 16 rows: as many waiting chunks as fi
 few left over in 4 (padded). A call reads every weight once, however many rows it pushes, and
 larger products run closer to the cores' peak, so one call of 16 tool results costs less than
 four calls of 4 (SmolLM2 on 2 CPU cores: 146 ms against 4 x 51 ms for chunks of 12 tokens;
-64 episodes' prefill 4.4 -> 3.6 s). The larger row count serves chunks of up to
+64 episodes' prefill 4.4 -> 3.5 s). The larger row count serves chunks of up to
 prefill_positions / 16 tokens, so that it adds shapes only where short chunks wait together:
 prompts at the start of a batch, tool results coming back.
 
@@ -145,6 +145,10 @@ class Runner:
         self.prefill_rows = sorted({min(r, slots // D) for r in rc.prefill_rows})
         self.prefill_positions = rc.prefill_positions
         self.buckets = sorted({min(b, max_len) for b in rc.buckets})
+        idle = [R for R in self.prefill_rows if not any(self.serves(R, T) for T in self.buckets)]
+        if idle:
+            raise ValueError(f"prefill_rows {idle} serve no bucket: rows x bucket is over "
+                             f"prefill_positions={rc.prefill_positions} for each of {self.buckets}")
         W = pages_for(max_len, page_size)
         self.widths = sorted({min(2 ** i, W) for i in range(W.bit_length() + 1)})
         # On a mesh each device steps its own block of slots: all of them, always.

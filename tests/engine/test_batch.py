@@ -301,10 +301,9 @@ def test_prefill_calls_take_as_many_rows_as_wait(monkeypatch):
                                                             prefill_positions=16))
         ids = [batch.add([1 + (5 * i + j) % (V - 1) for j in range(2 + 3 * (i % 4))], 4, seed=i)
                for i in range(8)]
-        for _ in range(2):                          # every sequence resumes with a result of 3 tokens
-            run(batch)
-            for i in ids:
-                batch.send(i, batch.seqs[i].tokens + [7, 8, 9], 4)
+        run(batch)
+        for i in ids:                               # every sequence resumes with a result of 3 tokens
+            batch.send(i, batch.seqs[i].tokens + [7, 8, 9], 4)
         run(batch)
         return {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
 
