@@ -648,6 +648,7 @@ def worker(plan_path, out_path):
         episodes, clock = run(ms)
         wall = time.perf_counter() - t0
         res.update(seconds=wall, cpu_seconds=time.process_time() - cpu0, episodes=episodes, clock=dict(clock.seconds),
+                   bandwidth=bandwidth, bare_products=[bare_s, bare_bytes],     # this process's probes
                    model_calls={kind: dict(c) for kind, c in clock.calls.items()},
                    weight_bytes=weight_bytes(name, run, shared, plan))
         if minagent:
@@ -806,7 +807,8 @@ def figures(res, n):
     out = {"seconds": wall, "episodes_per_s": n / wall, "s_per_episode": wall / n, "positions": positions,
            "positions_per_s": positions / wall, "cpu_seconds": res["cpu_seconds"],
            "calls": sum(len(e["calls"]) for e in res["episodes"]), "identical": res["identical"],
-           "same_tokens": res["same_tokens"], "parted": res["parted"], "warmup_s": res["warmup_s"]}
+           "same_tokens": res["same_tokens"], "parted": res["parted"], "warmup_s": res["warmup_s"],
+           "bandwidth": res.get("bandwidth"), "bare_products": res.get("bare_products")}
     out["model_calls"] = calls = res.get("model_calls", {})
     decoding = calls.get("decode")
     if decoding and decoding["seconds"] > 0 and res.get("weight_bytes"):
@@ -855,10 +857,10 @@ def report(runs, n, ref_threads):
     print("\nthe model's calls in the timed run: decode (one new token a row), prefill (more: prompts, results);"
           "\nrows / positions: the share of the rows / token positions computed that held a sequence / a token;"
           "\nGB/s: weight bytes x decode calls / their seconds (a decode call at batch 1 reads every weight once),"
-          "\nagainst the probe (a jitted matrix-vector product reading 512 MiB, the same threads)")
+          "\nagainst the probe (a jitted matrix-vector product reading 512 MiB, the same threads, in the loop's process)")
     for threads, loops in table.items():
-        probe = runs[threads].get("bandwidth")
         for name, f in loops.items():
+            probe = f.get("bandwidth") or runs[threads].get("bandwidth")
             parts = []
             for kind in ("decode", "prefill"):
                 c = f["model_calls"].get(kind)
@@ -871,10 +873,11 @@ def report(runs, n, ref_threads):
                 parts.append(f"{f['weight_bytes'] / 2**20:.0f} MiB of weights, {f['decode_bytes_per_s'] / 1e9:.1f} "
                              f"GB/s{share}")
             print(f"{threads:>7} {name:<22} " + "; ".join(parts))
-        if runs[threads].get("bare_products"):
-            bare_s, bare_bytes = runs[threads]["bare_products"]
-            print(f"{threads:>7} the model's matrix-vector products alone (float32, one jitted call, no attention): "
-                  f"{bare_s * 1e3:.1f} ms ({bare_bytes / bare_s / 1e9:.1f} GB/s)")
+        for name, f in loops.items():
+            if f.get("bare_products"):
+                bare_s, bare_bytes = f["bare_products"]
+                print(f"{threads:>7} the model's matrix-vector products alone (float32, one jitted call, no attention),"
+                      f" in {name}'s process: {bare_s * 1e3:.1f} ms ({bare_bytes / bare_s / 1e9:.1f} GB/s)")
     for threads, loops in table.items():
         for name, f in loops.items():
             for p in f["parted"]:
