@@ -953,8 +953,10 @@ def main(argv=None):
     for threads, r in runs.items():
         print(f"versions ({threads} thread(s)): {r['versions']}")
     load_after = os.getloadavg()
-    if max(load_before[0], load_after[0]) > cpu["cores"] / 4:
-        print(f"WARNING: load average {max(load_before[0], load_after[0]):.1f} on {cpu['cores']} cores: other "
+    # The load after the run counts the bench's own threads (the last process's, for about a minute).
+    if load_before[0] > cpu["cores"] / 4 or load_after[0] > max(args.threads) + cpu["cores"] / 4:
+        print(f"WARNING: load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (the bench's own "
+              f"{max(args.threads)} thread(s) included) on {cpu['cores']} cores: other "
               f"work shared the CPUs, these times are not reliable; run it on an idle machine")
     minutes = (time.perf_counter() - t_start) / 60
     print(f"{minutes:.1f} minutes")
