@@ -757,7 +757,7 @@ def run_worker(plan, threads, tmp):
                        check=True)
         out = json.loads(out_path.read_text())
         if merged is None:
-            merged = out                  # its bandwidth and bare products stand for the setting
+            merged = out                  # its probes stand for the setting; each loop keeps its own
         else:
             merged["loops"].update(out["loops"])
             merged["versions"].update(out["versions"])

@@ -256,12 +256,13 @@ class Runner:
         leaves them. masked=True also compiles the steps that sample with a token mask.
         """
         V = self.cfg.vocab_size
-        for n_rows in (R * self.n_devices for R in self.prefill_rows):
+        for R in self.prefill_rows:
+            n_rows = R * self.n_devices
             zeros_R = np.zeros(n_rows, np.int32)
             for shorter, T in zip([0] + self.buckets, self.buckets):
                 for W in self.widths:
                     # a chunk gets bucket T only if it is longer than `shorter`
-                    if self.serves(n_rows // self.n_devices, T) and W >= self.width(shorter + 1):
+                    if self.serves(R, T) and W >= self.width(shorter + 1):
                         logits_RxV, self.kv = self._run(decode.prefill_step,
                                                         np.zeros((n_rows, T), np.int32), zeros_R,
                                                         zeros_R, np.zeros((n_rows, W), np.int32))

@@ -74,9 +74,9 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
     params = model.init(jax.random.PRNGKey(1), cfg)
     ms = missions.generate(70, seed=7)
     # three buckets, so that chunks of several lengths meet warm-up's shapes (fewer to compile than
-    # the default eight)
+    # the default eight); prefill calls of 4 rows, and of 16 for chunks of up to 8 tokens
     batch = agent.new_batch(params, cfg, tok, FMT, slots=16, max_len=128, temperature=1.0,
-                            runner=RunnerConfig(buckets=(8, 32, 128)))
+                            runner=RunnerConfig(buckets=(8, 32, 128), prefill_positions=128))
     limits = dict(max_calls=3, max_stretch=12)
     warm = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[:20]], [Toolbox(m.seed) for m in ms[:20]], **limits)
     batch.warmup()          # compiles every (bucket, page-table width) shape the batch can use

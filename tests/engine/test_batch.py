@@ -296,7 +296,7 @@ def test_prefill_calls_take_as_many_rows_as_wait(monkeypatch):
     monkeypatch.setattr(decode, "prefill_step", prefill_step)
 
     def play(prefill_rows):
-        batch = Batch(PARAMS, CFG, slots=8, n_pages=80, page_size=8, max_len=48, pause_tokens=[5],
+        batch = Batch(PARAMS, CFG, slots=8, n_pages=80, page_size=8, max_len=32, pause_tokens=[5],
                       keep_logits=True, runner=RunnerConfig(prefill_rows=prefill_rows, buckets=(4, 8, 16),
                                                             prefill_positions=16))
         ids = [batch.add([1 + (5 * i + j) % (V - 1) for j in range(2 + 3 * (i % 4))], 4, seed=i)
