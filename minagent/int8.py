@@ -33,14 +33,23 @@ def quantize(params):
 
 
 def dot(x_MxI, w):
-    """x @ w for an Int8 w, in one int8 product with int32 sums -> [M, O].
+    """x @ w for an Int8 w -> [M, O].
 
+    One row (a decode step at batch 1): x stays as it is and w's values become x's dtype as the
+    product reads them. XLA on CPU computes a vector's product as a sum along each row of w, and
+    the conversion fuses into it: one pass over the int8 bytes. (SmolLM2's products at batch 1 on
+    2 cores of an AMD EPYC with AVX2 and no VNNI: 9.7 ms, float32 weights 31.5 ms, the int8
+    product below 27.5 ms.)
+
+    More rows (prefill, batches): one int8 product with int32 sums, x quantized too.
     x ~ s (q1 + q2 / 254), s a row's largest |value| / 127 and q2 what q1 missed (at most s / 2)
-    in steps of s / 254: off by 1/64,516 of that value, where q1 alone is off by 1/254. Two rows,
-    as XLA on CPU converts w to int32 for one; w goes first for up to 4 rows of x (measured
-    faster there).
+    in steps of s / 254: off by 1/64,516 of that value, where q1 alone is off by 1/254. Two rows
+    for each of x's, as XLA on CPU converts w to int32 for one; w goes first for up to 4 rows of
+    x (measured faster there).
     """
     M = x_MxI.shape[0]
+    if M == 1:                                                   # one row: w converted as read
+        return (jnp.dot(x_MxI, w.q.astype(x_MxI.dtype).T) * w.scale.T).astype(x_MxI.dtype)
     q1, s_Mx1 = _int8(x_MxI)
     # [q1; q2]
     x_2MxI = jnp.vstack([q1, jnp.round((x_MxI - q1 * s_Mx1) / s_Mx1 * 254).astype(jnp.int8)])
