@@ -705,10 +705,14 @@ def best_time(jitted, args, repeats):
 
 def weight_bytes(name, run, shared, plan):
     """Bytes of weights a decode step at batch 1 reads: every matrix once (the tied embedding table
-    too, as the output head). minagent: its Runner's params (int8 with their scales under --int8);
-    transformers: its model's parameters; llama.cpp: the GGUF file (its header is a few MB)."""
+    too, as the output head). minagent: its Runner's params (int8 with their scales under --int8),
+    less the embedding table where the head is a matrix of its own (int8.quantize makes one): a
+    lookup reads one row of it; transformers: its model's parameters; llama.cpp: the GGUF file (its
+    header is a few MB)."""
     if name.startswith("minagent"):
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(run.batch.runner.params))
+        params = run.batch.runner.params
+        looked_up = params["embed"].nbytes if "unembed" in params else 0
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(params)) - looked_up
     if name.startswith("transformers"):
         return sum(t.numel() * t.element_size() for t in shared["hf"].parameters())
     return pathlib.Path(plan["gguf"]).stat().st_size
