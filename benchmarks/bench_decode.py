@@ -12,7 +12,7 @@ SmolLM2-135M-Instruct, the same chat prompt in every row, `--new` greedy tokens.
     minagent f32                float32 weights (minagent dequantizes the GGUF file itself)
     minagent bf16, f32 cache    the same weights rounded to bfloat16, the KV cache in float32
     minagent bf16, bf16 cache   the same with the cache in bfloat16
-    minagent int8               the float32 weights in int8 (minagent/int8.py), activations split in two int8 parts
+    minagent int8               the float32 weights in int8 (minagent/int8.py), activations split in two int8 parts (one row: as they are)
     transformers f32 / bf16     the same weights (its GGUF loader dequantizes too), float32 / bfloat16
     transformers int8           its float32 model through torch's dynamic quantization (every nn.Linear,
                                 the output head included: int8 weights, one scale a matrix; activations
