@@ -77,8 +77,8 @@ logits by ~2e-2).
 
 --int8: the same workload with int8 weights, dtype for dtype: minagent's int8.quantize (one scale
 an output row; activations in two int8 parts, or as they are in a decode step of one row) against
-llama.cpp on the merged weights written as Q8_0 (one scale a block of 32); transformers is left out. The two round differently, so their episodes
-may part where float32's agree; the bench says where.
+llama.cpp on the merged weights written as Q8_0 (one scale a block of 32); transformers is left out.
+The two round differently, so their episodes may part where float32's agree; the bench says where.
 
 Writes benchmarks/results/agent.json (--out elsewhere; --quick writes only where --out says).
 Needs the `ref` extra for transformers and llama.cpp (pyproject.toml says how to build llama.cpp);
