@@ -117,6 +117,7 @@ def test_sampling_does_not_depend_on_slot_or_company():
     assert len(set(want)) > 3
 
 
+@pytest.mark.slow
 def test_a_mask_limits_one_sequence_and_sees_its_stretch():
     """A sequence added with a mask samples only what the mask allows; the mask is asked with the tokens
     sampled so far in the stretch (from [] again after send); an unmasked neighbour samples as if alone."""
@@ -248,6 +249,7 @@ def test_a_prompt_and_a_result_cost_one_model_call_each(monkeypatch):
     np.testing.assert_allclose(seq.logits[4], logits_TxV[n + 4 + 2], rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
     """A decode step runs the active slots padded to the smallest row count that holds them
     (RunnerConfig.decode_rows), not every slot: the same tokens and logits as steps over every
@@ -283,6 +285,7 @@ def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
         np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_prefill_calls_take_as_many_rows_as_wait(monkeypatch):
     """A prefill call runs at the largest row count the waiting chunks fill (RunnerConfig.prefill_rows)
     whose bucket it serves (rows x bucket <= prefill_positions), the rest at the smallest: fewer calls

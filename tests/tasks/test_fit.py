@@ -318,6 +318,7 @@ def run_reader(params, cfg, stok, slots=2, max_len=1024, max_calls=8, **view):
     return r
 
 
+@pytest.mark.slow
 def test_fitting_clears_old_results_reuses_the_prefix_and_keeps_the_history(stok, rote):
     params, cfg = rote(stok, READER)
     plain = run_reader(params, cfg, stok)

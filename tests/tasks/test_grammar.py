@@ -112,6 +112,7 @@ def test_no_dead_ends_and_few_states():
     assert len(can_finish) == S
 
 
+@pytest.mark.slow
 def test_mask_equals_slow_reference():
     """The vectorised table walk == walking `step` over each token's chars, in every state."""
     specials = set(TOK.specials.values())

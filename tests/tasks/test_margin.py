@@ -35,6 +35,7 @@ def reference_score(prompt, tool):
     return sum(float(lp[j - 1, row[j]]) for j in range(len(ids), len(row)))
 
 
+@pytest.mark.slow
 def test_tool_scores_are_the_models_log_probabilities():
     """Five padded rows in one pass give what the model says one token at a time, for every tool."""
     got = margin.tool_scores(PARAMS, CFG, TOK, PROMPTS[0])
@@ -58,6 +59,7 @@ def test_only_answers_that_take_the_exit_are_looked_at():
     assert margin.exit_leads(PARAMS, CFG, TOK, PROMPTS, [STATUS, "not json", STATUS], END, below=100.0) == {}
 
 
+@pytest.mark.slow
 def test_the_rule_moves_exits_under_the_margin_to_the_best_movable_tool():
     texts = [ASK, STATUS, ASK]
     stopped = [True, True, True]
