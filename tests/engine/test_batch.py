@@ -192,6 +192,7 @@ def test_no_recompilation_after_warmup():
     assert batch.pool.n_free == 8 * 32 and steps > 100
 
 
+@pytest.mark.slow
 def test_short_chunks_are_padded_little(monkeypatch):
     """An agent's prefill chunks are short (a prompt, a tool's result and the turn marker): with the
     default buckets no chunk of up to 64 tokens is padded to more than twice its length, or 8.

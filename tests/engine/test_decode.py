@@ -227,6 +227,7 @@ def cache_converts(cfg, cache_dtype=None):
     return [line for line in hlo.splitlines() if " convert(" in line and pool in line]
 
 
+@pytest.mark.slow
 def test_no_cache_shaped_converts_in_the_default_decode_step():
     """With the default float32 weights and cache, the compiled step converts nothing of the cache's
     size: a convert of the whole pool per layer would cost as much as reading it. The count bites:
