@@ -30,6 +30,7 @@ Shape legend, for every module of the engine: array names carry their shape as a
              (the page-table width)
     R I O E  LoRA rank; a projection's input and output widths; new embedding rows (LoRA)
     M        rows of a 2-D product (B * T folded into one axis, `dense`)
+    Q        a kv head's queries, its G query heads at T positions as one axis (`attend`)
 """
 
 import dataclasses
@@ -171,17 +172,26 @@ def qkv(lp, cfg, x_BxTxD, positions_BxT):
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
-    """Softmax attention; each group of G = N/K query heads shares one kv head."""
+    """Softmax attention; each group of G = N/K query heads shares one kv head.
+
+    A kv head's G query heads at T positions are one axis of Q = G * T queries, so each of the
+    two products is one [Q, H] x [S, H] product per row and kv head: one free axis a side. The
+    sums are the same as with G and T kept apart; XLA on CPU runs this form faster (SmolLM2's
+    decode step on 2 cores of an AMD EPYC Zen 2: 8 rows 106 -> 91 ms, 32 rows 235 -> 204 ms,
+    where T = 1 is an axis of size 1 in the product otherwise).
+    """
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxSxKxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                                  preferred_element_type=jnp.float32)
-    scores_BxKxGxTxS = scores_BxKxGxTxS / jnp.sqrt(H).astype(jnp.float32)
+    G = N // K
+    q_BxKxQxH = q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    scores_BxKxQxS = jnp.einsum("bkqh,bskh->bkqs", q_BxKxQxH, k_BxSxKxH,
+                                preferred_element_type=jnp.float32)
+    scores_BxKxGxTxS = scores_BxKxQxS.reshape(B, K, G, T, -1) / jnp.sqrt(H).astype(jnp.float32)
     scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, -1e30)
-    probs = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
-    out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-    return out_BxTxKxGxH.reshape(B, T, N * H)
+    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
+    out_BxKxQxH = jnp.einsum("bkqs,bskh->bkqh", probs_BxKxGxTxS.reshape(B, K, G * T, -1),
+                             v_BxSxKxH)
+    return out_BxKxQxH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
 
 def finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH):
