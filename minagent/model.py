@@ -176,9 +176,10 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
 
     A kv head's G query heads at T positions are one axis of Q = G * T queries, so each of the
     two products is one [Q, H] x [S, H] product per row and kv head: one free axis a side. The
-    sums are the same as with G and T kept apart; XLA on CPU runs this form faster (SmolLM2's
-    decode step on 2 cores of an AMD EPYC Zen 2: 8 rows 106 -> 91 ms, 32 rows 235 -> 204 ms,
-    where T = 1 is an axis of size 1 in the product otherwise).
+    sums are those of G and T kept apart (added in another order, so rounding may differ); XLA
+    on CPU runs this form faster, where otherwise a decode step's T = 1 is an axis of size 1 in
+    each product (SmolLM2's decode step on 2 cores of an AMD EPYC Zen 2: 8 rows
+    106 -> 91 ms, 32 rows 235 -> 204 ms; prefills and training a few percent).
     """
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxSxKxH.shape[2]
