@@ -407,9 +407,9 @@ class Clock:
         # computed and rows that held a sequence, token positions computed and positions that held a token
         self.calls = collections.defaultdict(collections.Counter)
 
-    def model_call(self, kind, seconds, rows, real_rows, positions, real_positions):
+    def model_call(self, kind, seconds, rows, real_rows, positions, real_positions, calls=1):
         c = self.calls[kind]
-        c.update(calls=1, seconds=seconds, rows=rows, real_rows=real_rows, positions=positions,
+        c.update(calls=calls, seconds=seconds, rows=rows, real_rows=real_rows, positions=positions,
                  real_positions=real_positions)
 
     def wrap(self, key, fn, blocking=False):
@@ -447,14 +447,15 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
     it), the jitted prefill and decode calls inside it, and each tool call."""
     batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len)
     t0 = time.perf_counter()
-    if compile_shapes:
-        batch.warmup()
+    if compile_shapes:       # and the stretch in one call of an episode alone in the loop (Loop.step)
+        batch.warmup(steps=(agent.MAX_STRETCH,))
 
     def run(ms):
         clock = Clock()
-        real = batch.step, decode.prefill_step, decode.decode_step, decode.sample_step
-        batch.step = clock.wrap("batch.step", real[0])
+        real = batch.step, decode.prefill_step, decode.decode_step, decode.sample_step, batch.steps, decode.decode_steps
+        batch.step, batch.steps = clock.wrap("batch.step", real[0]), clock.wrap("batch.step", real[4])
         prefill_jit, decode_jit = clock.wrap("jit", real[1], blocking=True), clock.wrap("jit", real[2], blocking=True)
+        steps_jit = clock.wrap("jit", real[5], blocking=True)
 
         def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW):
             t0 = time.perf_counter()
@@ -471,7 +472,16 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
             clock.model_call("decode", time.perf_counter() - t0, len(slots.active_B), active, len(slots.active_B),
                              active)
             return out
-        decode.prefill_step, decode.decode_step = prefill_step, decode_step
+        def decode_steps(params, cfg, cache, slots, *args):     # an episode alone: its stretch in one call
+            t0 = time.perf_counter()
+            out = steps_jit(params, cfg, cache, slots, *args)
+            took_NxR = np.asarray(out[1]) >= 0
+            n_steps, tokens = int(took_NxR.any(axis=1).sum()), int(took_NxR.sum())
+            rows = n_steps * len(slots.active_B)
+            # counted as its n_steps decode steps: "calls" are steps, each reading every weight once
+            clock.model_call("decode", time.perf_counter() - t0, rows, tokens, rows, tokens, calls=n_steps)
+            return out
+        decode.prefill_step, decode.decode_step, decode.decode_steps = prefill_step, decode_step, decode_steps
         decode.sample_step = clock.wrap("jit", real[3], blocking=True)    # a prefill's next tokens
         try:
             boxes = toolboxes(ms, clock)
@@ -482,8 +492,8 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
                 records = [r for i in range(0, len(ms), slots)
                            for r in agent.run(batch, tok, FMT, prompts[i:i + slots], boxes[i:i + slots])]
         finally:
-            del batch.step                                   # the class's method again
-            decode.prefill_step, decode.decode_step, decode.sample_step = real[1:]
+            del batch.step, batch.steps                      # the class's methods again
+            decode.prefill_step, decode.decode_step, decode.sample_step, _, decode.decode_steps = real[1:]
         return [episode(r.status, r.answer, r.calls, r.tokens, r.positions) for r in records], clock
 
     run.batch, run.compile_s = batch, time.perf_counter() - t0 if compile_shapes else None

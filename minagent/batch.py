@@ -270,11 +270,11 @@ class Batch:
         self._seat_all(first)
         return {**{i: [t] for i, t in first.items()}, **out}
 
-    def warmup(self, masked=False):
+    def warmup(self, masked=False, steps=()):
         """Compile every shape the steps can use now (Runner.warmup), so that nothing compiles
         later. Optional: shapes also compile on first use. masked=True: the step with a
-        token mask too."""
-        self.runner.warmup(self.temperature, self.top_k, masked)
+        token mask too; steps: each n of steps(n) too, for one running sequence."""
+        self.runner.warmup(self.temperature, self.top_k, masked, steps)
 
     @property
     def compiles(self):

@@ -247,13 +247,15 @@ class Runner:
         tokens_NxB[:, rows_R] = np.asarray(tokens_NxR)
         return _put_rows(slots, rows_R, later), tokens_NxB
 
-    def warmup(self, temperature=0.0, top_k=0, masked=False):
+    def warmup(self, temperature=0.0, top_k=0, masked=False, steps=()):
         """Compile every shape the steps can use (prefill: rows x bucket x width; decode: rows x
         width) on idle rows.
 
         Idle rows (n_new = 0, active False) write only to the null page, so this changes no
         sequence. Sampling from a prefill's logits compiles too, on logits placed as a prefill
         leaves them. masked=True also compiles the steps that sample with a token mask.
+        steps: each n also compiles decode_n(n) for one running slot, at every width (the agent
+        loop's episode alone: its stretch in one call).
         """
         V = self.cfg.vocab_size
         for R in self.prefill_rows:
@@ -274,6 +276,11 @@ class Runner:
                 for allowed in [None] + ([np.ones((R, V), bool)] if masked else []):
                     _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k,
                                               allowed, self.attention)
+            for n in steps:            # one slot running: the smallest row count
+                R = self.rows[0]
+                _, _, self.kv = self._run(decode.decode_steps, decode.Slots.idle(R, W),
+                                          np.zeros(R, np.int32), np.zeros(V, bool), n,
+                                          temperature, top_k, self.attention)
 
     def _run(self, step, *args):
         """Call a step of decode.py on this runner's weights and cache (over the mesh if there

@@ -68,6 +68,35 @@ def test_cache_pushes_each_position_once(tok, memorised):
     assert positions[False] > positions[True]
 
 
+def test_an_episode_alone_writes_its_stretch_in_one_call(tok, memorised, monkeypatch):
+    """Alone in the loop, an episode writes each stretch in one device call (Batch.steps): the
+    record is the one that one token a call gives, in fewer calls."""
+    mission, tokens, authors, params, cfg = memorised
+    records, calls = {}, {}
+    for how in ("stretch", "token"):
+        if how == "token":
+            monkeypatch.setattr(agent.Loop, "step", lambda self: bool(self.batch.step()))
+        batch = agent.new_batch(params, cfg, tok, FMT, slots=2, max_len=128)
+        calls[how] = counted = {"decode": 0, "decode_n": 0}
+        for name in counted:
+            def count(*args, name=name, real=getattr(batch.runner, name), **kw):
+                counted[name] += 1
+                return real(*args, **kw)
+            setattr(batch.runner, name, count)
+        (records[how],) = agent.run(batch, tok, FMT, [mission.trace[0]], [Toolbox(mission.seed)])
+    a, b = records["stretch"], records["token"]
+    np.testing.assert_array_equal(a.tokens, tokens)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.authors, b.authors)
+    assert (a.status, a.answer, a.calls, a.positions) == (b.status, b.answer, b.calls, b.positions)
+    # a stretch for each call and one for the answer. Each stretch's first token is sampled from
+    # its prefill's logits; the rest take one decode_n call a stretch, or a decode step each.
+    stretches, written = len(a.calls) + 1, int(np.sum(np.asarray(a.authors) == chat.MODEL))
+    assert a.status == "done" and stretches == 4
+    assert calls["stretch"] == {"decode": 0, "decode_n": stretches}
+    assert calls["token"] == {"decode": written - stretches, "decode_n": 0}
+
+
 def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
     """50 episodes of varied lengths on a random-weights model: budgets hold, nothing recompiles."""
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
@@ -79,7 +108,9 @@ def test_budgets_hold_and_no_recompilation_after_warm_up(tok):
                             runner=RunnerConfig(buckets=(8, 32, 128), prefill_positions=128))
     limits = dict(max_calls=3, max_stretch=12)
     warm = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[:20]], [Toolbox(m.seed) for m in ms[:20]], **limits)
-    batch.warmup()          # compiles every (bucket, page-table width) shape the batch can use
+    # every (bucket, page-table width) shape the batch can use, and the stretch in one call of the
+    # loop's last episode
+    batch.warmup(steps=(12,))
     compiles = batch.compiles
     records = agent.run(batch, tok, FMT, [m.trace[0] for m in ms[20:]], [Toolbox(m.seed) for m in ms[20:]],
                         **limits)
