@@ -47,6 +47,7 @@ XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
 torch.set_num_threads and llama.cpp's n_threads. In a process each loop first warms up, untimed:
 minagent compiles every shape its steps can use (Batch.warmup: 43 shapes of the 30-layer step for
 one slot, 94 for 64, where a prefill call runs at 4 or 16 rows and a decode step at 8, 16, 32 or 64;
+and 6 more, one a page-table width, for the stretch in one call of an episode alone in the loop;
 reported apart as "compiling"), transformers and
 llama.cpp run one episode (--quick: every loop runs its few episodes once, which compiles only the
 shapes they use). Then one timed run of all the episodes. Reported: episodes per second, wall time

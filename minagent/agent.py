@@ -281,9 +281,9 @@ class Loop:
 
         One token for each running episode; but an episode alone in the loop writes its whole
         stretch in one call (Batch.steps): no other episode can need the host before it pauses
-        or stops, and a trip to the host between its tokens costs as much as an eighth of the
-        step (SmolLM2 int8, one episode, 2 cores of an AMD EPYC Zen 4: 9.5 against 8 ms a
-        token). The same tokens either way."""
+        or stops, and a trip to the host between its tokens costs up to a quarter of the step
+        (SmolLM2 int8, one sequence, 2 cores of an AMD EPYC Zen 4: 8.6-10.2 ms a token one step a
+        call, 7.3-9.7 in calls of 16). The same tokens either way."""
         try:
             if len(self.live) == 1:
                 return bool(self.batch.steps(self.max_stretch))

@@ -301,8 +301,8 @@ def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, 
     The weights pass through an optimization barrier with the step count at every step. Without
     it XLA sees that converting an int8 weight to the activations' dtype gives the same result
     at every step, and does it once before the loop: the loop then reads float32 copies, four
-    times the bytes (SmolLM2 int8 on 2 cores of an AMD EPYC Zen 4: 24 ms a token, against 8 ms
-    for decode_step called once a token and 7 ms with the barrier).
+    times the bytes (SmolLM2 int8 on 2 cores of an AMD EPYC Zen 4: 21-25 ms a token, against
+    8-9 ms for decode_step called once a token, and 7-8 ms with the barrier).
     """
     TRACES["decode_steps", n, slots.page_table_BxW.shape] += 1
 
