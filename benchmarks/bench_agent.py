@@ -475,7 +475,11 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
             return out
         def decode_steps(params, cfg, cache, slots, *args):     # an episode alone: its stretch in one call
             t0 = time.perf_counter()
-            out = steps_jit(params, cfg, cache, slots, *args)
+            decode.decode_step = real[2]          # what its loop calls, if it is traced now: not timed
+            try:
+                out = steps_jit(params, cfg, cache, slots, *args)
+            finally:
+                decode.decode_step = decode_step
             took_NxR = np.asarray(out[1]) >= 0
             n_steps, tokens = int(took_NxR.any(axis=1).sum()), int(took_NxR.sum())
             rows = n_steps * len(slots.active_B)

@@ -322,7 +322,8 @@ def decode_steps(params, cfg, cache, slots, left_B, ends_V, n, temperature=0.0, 
         i, slots = carry[:2]
         return (i < n) & slots.active_B.any()
 
-    tokens_NxB = jnp.full((n, slots.tokens_B.shape[0]), -1, jnp.int32)
+    # -1 everywhere, made from the slots: over a mesh it must vary by device, as the loop makes it
+    tokens_NxB = jnp.broadcast_to(slots.tokens_B * 0 - 1, (n, slots.tokens_B.shape[0]))
     _, slots, _, cache, tokens_NxB = jax.lax.while_loop(going, one,
                                                         (0, slots, left_B, cache, tokens_NxB))
     return slots, tokens_NxB, cache
