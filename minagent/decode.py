@@ -9,8 +9,9 @@ into the row's pages. The jitted steps are uses of it:
                    sample_step then samples each row's next token from its logits
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
-    decode_steps   n decode steps in one call, a slot stopping on its own when it
-                   samples an end token: no trip to the host between them
+    decode_steps   up to n decode steps in one call, a slot stopping on its own when
+                   it samples an end token, the call when all have: no trip to the
+                   host between them
 
 A row reads its pages one of two ways (`attention`): "gather" copies each row's
 pages into one array and masks what the row does not hold (`gather_pages`, the

@@ -235,7 +235,7 @@ class Runner:
         return _put_rows(slots, rows_R, later), logits_RxV, rows_R
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
-        """n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB
+        """Up to n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB
         on the host: -1 where a slot sampled nothing)."""
         reach_B = slots.lengths_B + np.minimum(n, left_B)
         W = self.width(int(reach_B[slots.active_B].max(initial=0)))
