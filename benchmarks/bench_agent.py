@@ -23,7 +23,8 @@ The loops, each an agent that sends the conversation, reads a call, runs the too
     minagent batched       agent.run with every episode in one agent.new_batch: one decode step
                            advances all of them; a tool runs beside the batch; the paged KV cache
                            keeps each conversation, so only new tokens go through the model
-    minagent one by one    the same loop with a batch of one slot, the episodes one after another
+    minagent one by one    the same loop with a batch of one slot, the episodes one after another,
+                           its prefill chunks padded to ONE_ROW_BUCKETS
     transformers resend    what a simple agent framework writes: `generate` until <|result|> or
                            <|im_end|>, run the tool, append the result and the turn marker, and send
                            the WHOLE conversation to `generate` again (LlamaForCausalLM, the same
@@ -117,12 +118,18 @@ import numpy as np  # noqa: E402
 from minagent import agent, chat, decode, int8, lora, model, tokenfile, train, weights  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
 from minagent.tasks.calculator import demo, missions  # noqa: E402
+from minagent.runner import RunnerConfig  # noqa: E402
 from minagent.tools import Toolbox  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "agent.json"
 FMT = chat.CHATML
 FAMILIES = ("add", "together", "later", "sort_ages")     # 1, 3, 2 and 4 calls
+# A batch of one slot makes every prefill call one row: one row count where the batch has two, so
+# half the compiled prefill shapes, and room for lengths that fit this workload's chunks: a tool's
+# result of 4 or 5 digits is 9 or 10 tokens with its markers (12 with the default buckets), a
+# prompt 18 to 26. 17 more shapes to compile (experiments/LOG.md, 2026-12-06: what they save).
+ONE_ROW_BUCKETS = (8, 9, 10, 12, 16, 20, 24, 32, 64, 256, 1024)
 LOOPS = ("minagent batched", "minagent one by one", "transformers resend", "transformers cached", "llama.cpp")
 REFERENCE = "minagent batched"      # the loop the others are compared with
 LOGIT_TARGET = 1e-3                 # max |logit difference| expected from float32 rounding alone
@@ -440,13 +447,14 @@ def episode(status, answer, calls, tokens, positions):
 
 def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
     """-> run(missions) -> (episodes, clock): agent.run with `slots` slots, every mission in one batch
-    (slots = the missions) or one after another (slots = 1). compile_shapes: compile every shape the
+    (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes: compile every shape the
     Batch's steps can use now (Batch.warmup), so that nothing compiles while timed; else the first
     run compiles what it uses.
 
     Instrumented from the outside: batch.step (the model's step and the Batch's host work around
     it), the jitted prefill and decode calls inside it, and each tool call."""
-    batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len)
+    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS) if slots == 1 else RunnerConfig()
+    batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len, runner=shapes)
     t0 = time.perf_counter()
     if compile_shapes:       # and the stretch in one call of an episode alone in the loop (Loop.step)
         batch.warmup(steps=(agent.MAX_STRETCH,))
