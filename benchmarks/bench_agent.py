@@ -447,9 +447,9 @@ def episode(status, answer, calls, tokens, positions):
 
 def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
     """-> run(missions) -> (episodes, clock): agent.run with `slots` slots, every mission in one batch
-    (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes: compile every shape the
-    Batch's steps can use now (Batch.warmup), so that nothing compiles while timed; else the first
-    run compiles what it uses.
+    (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes:
+    compile every shape the Batch's steps can use now (Batch.warmup), so that nothing compiles while
+    timed; else the first run compiles what it uses.
 
     Instrumented from the outside: batch.step (the model's step and the Batch's host work around
     it), the jitted prefill and decode calls inside it, and each tool call."""
