@@ -128,8 +128,9 @@ FAMILIES = ("add", "together", "later", "sort_ages")     # 1, 3, 2 and 4 calls
 # A batch of one slot makes every prefill call one row: one row count where the batch has two, so
 # half the compiled prefill shapes, and room for lengths that fit this workload's chunks: a tool's
 # result of 4 or 5 digits is 9 or 10 tokens with its markers (12 with the default buckets), a
-# prompt 18 to 26. 17 more shapes to compile (experiments/LOG.md, 2026-12-06: what they save).
-ONE_ROW_BUCKETS = (8, 9, 10, 12, 16, 20, 24, 32, 64, 256, 1024)
+# prompt 18 to 26. So: the defaults and 9, 10 and 20; 17 more shapes to compile
+# (experiments/LOG.md, 2026-12-06: what they save).
+ONE_ROW_BUCKETS = tuple(sorted({*RunnerConfig.buckets, 9, 10, 20}))
 LOOPS = ("minagent batched", "minagent one by one", "transformers resend", "transformers cached", "llama.cpp")
 REFERENCE = "minagent batched"      # the loop the others are compared with
 LOGIT_TARGET = 1e-3                 # max |logit difference| expected from float32 rounding alone
