@@ -4,6 +4,8 @@
     python benchmarks/bench_agent.py --quick          # 4 episodes, all cores: a smoke test, a few minutes
     python benchmarks/bench_agent.py --quick --no-ref # minagent's two loops alone: no torch, no llama.cpp
     python benchmarks/bench_agent.py --quick --train-steps 2  # try the training path (a 2-step adapter, own checkpoint)
+    python benchmarks/bench_agent.py --bf16 --gguf-type q8_0 --threads 2 --loops llama.cpp
+                                                      # bfloat16 matrices against llama.cpp's Q8_0: ~9 min
 
 (Times on 2 CPU cores of an AMD EPYC Zen 4, 2026-12-03: the full run 31 min, of which minagent's
 warm-ups compile for 16.4 min, before the prefill buckets 12 and 24 were added, which made a
@@ -82,6 +84,11 @@ an output row; activations in two int8 parts, or as they are in a decode step of
 llama.cpp on the merged weights written as Q8_0 (one scale a block of 32); transformers is left out.
 The two round differently, so their episodes may part where float32's agree; the bench says where.
 
+--bf16: minagent's matrices in bfloat16 (bf16.matrices: activations, norms and the embedding table
+stay float32; each product rounds x to bfloat16 and sums in float32) against llama.cpp on the merged
+weights written as BF16, or as --gguf-type says (q8_0: against llama.cpp's fastest format here);
+transformers is left out. On a CPU with AVX512_BF16 both multiply bfloat16 pairs in hardware.
+
 Writes benchmarks/results/agent.json (--out elsewhere; --quick writes only where --out says).
 Needs the `ref` extra for transformers and llama.cpp (pyproject.toml says how to build llama.cpp);
 a loop whose library is missing is skipped, with the reason printed. Run it on an idle machine:
@@ -115,7 +122,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from minagent import agent, chat, decode, int8, lora, model, tokenfile, train, weights  # noqa: E402
+from minagent import agent, bf16, chat, decode, int8, lora, model, tokenfile, train, weights  # noqa: E402
 from minagent import tokenizer as tk  # noqa: E402
 from minagent.tasks.calculator import demo, missions  # noqa: E402
 from minagent.runner import RunnerConfig  # noqa: E402
@@ -147,11 +154,15 @@ def parse_args(argv=None):
     p.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS), metavar="LOOP",
                    help=f"a subset of: {', '.join(LOOPS)} ({REFERENCE} always runs: the reference)")
     p.add_argument("--max-len", type=int, default=512, help="tokens an episode may hold, in every loop")
-    p.add_argument("--gguf-type", choices=("f32", "f16", "q8_0"), default="f32",
-                   help="the merged weights as llama.cpp reads them (f32: the same numbers as the others)")
+    p.add_argument("--gguf-type", choices=("f32", "f16", "bf16", "q8_0"), default=None,
+                   help="the merged weights as llama.cpp reads them (default f32, the same numbers as the "
+                        "others; q8_0 with --int8, bf16 with --bf16)")
     p.add_argument("--int8", action="store_true",
                    help="int8 weights, dtype for dtype: minagent's int8.quantize against llama.cpp's q8_0 "
                         "(transformers is left out)")
+    p.add_argument("--bf16", action="store_true",
+                   help="minagent's matrices in bfloat16 (bf16.matrices) against llama.cpp's bf16, or "
+                        "--gguf-type (transformers is left out)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="train the adapter this many steps instead of 03's (its own checkpoint): to try the path")
     p.add_argument("--no-ref", action="store_true", help="minagent's loops alone: no torch, no llama.cpp")
@@ -165,9 +176,12 @@ def parse_args(argv=None):
         args.threads = [len(os.sched_getaffinity(0))] if args.quick else [1, 2]
     if args.no_ref:
         args.loops = [name for name in args.loops if name.startswith("minagent")]
-    if args.int8:                  # one int8 weight format each: minagent's, and llama.cpp's Q8_0
-        args.gguf_type = "q8_0"
+    if args.int8 and args.bf16:
+        p.error("--int8 or --bf16, not both")
+    if args.int8 or args.bf16:     # minagent's format, and llama.cpp's Q8_0 or BF16
+        args.gguf_type = args.gguf_type or ("q8_0" if args.int8 else "bf16")
         args.loops = [name for name in args.loops if not name.startswith("transformers")]
+    args.gguf_type = args.gguf_type or "f32"
     if REFERENCE not in args.loops:                  # every loop is compared with it
         args.loops.insert(0, REFERENCE)
     return args
@@ -315,6 +329,7 @@ def write_gguf(params, cfg, tok, base_path, out_path, qtype="f32"):
     minagent keeps, so minagent's [in, out] matrices go in transposed, not permuted."""
     import gguf
     types = {"f32": (np.float32, None), "f16": (np.float16, None),
+             "bf16": (np.float32, gguf.GGMLQuantizationType.BF16),
              "q8_0": (np.float32, gguf.GGMLQuantizationType.Q8_0)}
     dtype, quant = types[qtype]
     reader = gguf.GGUFReader(base_path)
@@ -332,7 +347,7 @@ def write_gguf(params, cfg, tok, base_path, out_path, qtype="f32"):
         elif name == "llama.vocab_size":
             value = cfg.vocab_size
         elif name == "general.file_type":
-            value = {"f32": 0, "f16": 1, "q8_0": 7}[qtype]    # llama.cpp's LLAMA_FTYPE_ALL_F32 / MOSTLY_*
+            value = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[qtype]  # llama.cpp's LLAMA_FTYPE_*
         sub = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(name, value, field.types[0], sub)
 
@@ -730,7 +745,8 @@ def best_time(jitted, args, repeats):
 def weight_bytes(name, run, shared, plan):
     """Bytes of weights a decode step at batch 1 reads: every matrix once (the tied embedding table
     too, as the output head). minagent: its Runner's params (int8 with their scales under --int8),
-    less the embedding table where the head is a matrix of its own (int8.quantize makes one): a
+    less the embedding table where the head is a matrix of its own (int8.quantize and bf16.matrices
+    make one): a
     lookup reads one row of it; transformers: its model's parameters; llama.cpp: the GGUF file (its
     header is a few MB)."""
     if name.startswith("minagent"):
@@ -749,6 +765,8 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
         slots = plan["episodes"] if name == "minagent batched" else 1
         if plan.get("int8"):
             params = shared.setdefault("int8", int8.quantize(params))
+        if plan.get("bf16"):
+            params = shared.setdefault("bf16", bf16.matrices(params))
         return minagent_loop(params, cfg, tok, slots, plan["max_len"], compile_shapes=plan["warmup"] == "shapes")
     if name.startswith("transformers"):
         import torch
@@ -965,7 +983,7 @@ def main(argv=None):
         checks = logit_checks(params, cfg, tok, ms, gguf_path, loops)
         plan = {"params": str(tmp / "params.npz"), "gguf": str(gguf_path), "loops": loops, "seed": args.seed,
                 "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes",
-                "int8": args.int8}
+                "int8": args.int8, "bf16": args.bf16}
         runs = {threads: run_worker(plan, threads, tmp) for threads in args.threads}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -991,7 +1009,9 @@ def main(argv=None):
     result = {"cpu": cpu, "load_average_before": load_before, "load_average_after": load_after,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "minutes": minutes,
               "workload": {"model": "SmolLM2-135M-Instruct, "
-                           + ("int8 (minagent) / Q8_0 (llama.cpp)" if args.int8 else "float32") + ", greedy",
+                           + ("int8 (minagent) / Q8_0 (llama.cpp)" if args.int8 else
+                              f"bfloat16 matrices (minagent) / {args.gguf_type} (llama.cpp)" if args.bf16 else
+                              "float32") + ", greedy",
                            "weights": weights_used,
                            "episodes": args.episodes, "families": FAMILIES, "seed": args.seed, "split": "test",
                            "max_len": args.max_len, "max_calls": agent.MAX_CALLS, "max_stretch": agent.MAX_STRETCH,
