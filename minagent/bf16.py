@@ -7,9 +7,10 @@ Why: a batch's steps are held by arithmetic, not by the weights' bytes, and a CP
 (AMD Zen 4; Intel Xeons since Cooper Lake) multiplies bfloat16 pairs at twice float32's rate.
 SmolLM2's 211 products, 2 cores of an AMD EPYC Zen 4: 27 / 65 / 159 ms at 16 / 64 / 192 rows,
 against 47 / 123 / 300 in float32 (int8.dot: 46 / 161 / 473); 64 agent episodes in one batch
-7.3-8.0 s against 10.9-11.5 s (benchmarks/bench_agent.py --bf16). Weights and activations both in
-bfloat16 (Config.dtype) are slower than float32 on a CPU: XLA converts each elementwise step's
-operands to float32 and back (the same 64 episodes: 11.8 s).
+7.3-8.0 s against 12.5 s in the same hour (benchmarks/bench_agent.py --bf16). Weights and
+activations both in bfloat16 (Config.dtype) are slower than float32 on a CPU, even with float32
+sums: XLA converts each elementwise step's operands to float32 and back (the same 64 episodes:
+11.8 s against 10.9 s).
 
 For batches, not for one row: XLA runs a bfloat16 product of a single row of x slowly (the 211
 products at 1 row: 235 ms, float32 32 ms), so a batch of one slot is slower than in float32

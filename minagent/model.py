@@ -121,21 +121,23 @@ def dense(x_BxTxI, w_IxO, out_dtype=None):
 
     The same product. Why fold: on CPU, XLA's backward pass through a 3-D product writes its
     gradients through slow transposes; the 2-D one does not. w may be int8 (int8.quantize).
-    out_dtype: the result's dtype (default: x's); the output head asks for float32 logits.
+    out_dtype: the result's dtype and the sums' (default: x's); the output head asks for float32
+    logits, summed in float32 even when x and w are bfloat16.
 
-    A bfloat16 w multiplies x rounded to bfloat16, summed in float32 (bf16.matrices keeps the
-    activations in float32 and the matrices in bfloat16). Asked for a float32 sum, XLA on CPU
-    runs the product in bfloat16 (AVX512_BF16 where the CPU has it); asked for a bfloat16 result,
-    it converts both operands to float32 first (SmolLM2's products at 16 rows on 2 cores of an
-    AMD EPYC Zen 4: 27 ms, against 192 ms, and 47 ms in float32). A GPU sums in float32 either way.
+    A bfloat16 w and a float32 x (bf16.matrices): x is rounded to bfloat16 and the products
+    summed in float32. Asked for float32 sums, XLA on CPU runs a product of bfloat16 operands
+    as one (AVX512_BF16 where the CPU has it); asked for a bfloat16 result, it converts both
+    operands to float32 first (SmolLM2's products at 16 rows on 2 cores of an AMD EPYC Zen 4:
+    27 ms, against 192 ms, and 47 ms in float32).
     """
     *lead, I = x_BxTxI.shape
     x_MxI = x_BxTxI.reshape(-1, I)
     if isinstance(w_IxO, int8.Int8):
-        y_MxO = int8.dot(x_MxI, w_IxO)
+        y_MxO = int8.dot(x_MxI, w_IxO).astype(out_dtype or x_MxI.dtype)
     else:
-        y_MxO = jnp.dot(x_MxI.astype(w_IxO.dtype), w_IxO, preferred_element_type=jnp.float32)
-    return y_MxO.astype(out_dtype or x_MxI.dtype).reshape(*lead, y_MxO.shape[-1])
+        y_MxO = jnp.dot(x_MxI.astype(w_IxO.dtype), w_IxO,
+                        preferred_element_type=out_dtype or x_MxI.dtype)
+    return y_MxO.reshape(*lead, y_MxO.shape[-1])
 
 
 def rms_norm(x_BxTxD, w_D, eps):
