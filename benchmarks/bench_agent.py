@@ -746,9 +746,8 @@ def weight_bytes(name, run, shared, plan):
     """Bytes of weights a decode step at batch 1 reads: every matrix once (the tied embedding table
     too, as the output head). minagent: its Runner's params (int8 with their scales under --int8),
     less the embedding table where the head is a matrix of its own (int8.quantize and bf16.matrices
-    make one): a
-    lookup reads one row of it; transformers: its model's parameters; llama.cpp: the GGUF file (its
-    header is a few MB)."""
+    make one): a lookup reads one row of it; transformers: its model's parameters; llama.cpp: the
+    GGUF file (its header is a few MB)."""
     if name.startswith("minagent"):
         params = run.batch.runner.params
         looked_up = params["embed"].nbytes if "unembed" in params else 0
