@@ -1,6 +1,7 @@
-"""int8 weights: the product's error bound, the params' layout, and the paged steps equal forward with them.
+"""Weight formats for decoding: int8 (int8.quantize) and bfloat16 matrices (bf16.matrices). Each
+product's error bound, the params' layout, and the paged steps equal forward with the same weights.
 
-    python -m pytest tests/engine/test_int8.py -q
+    python -m pytest tests/engine/test_weight_formats.py -q
 """
 
 import jax
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minagent import int8, model
+from minagent import bf16, int8, model
 from minagent.batch import Batch, Status
 from minagent.runner import RunnerConfig
 
@@ -75,17 +76,20 @@ def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("per_layer", [True, False])
-def test_paged_steps_with_int8_weights_equal_forward_with_them(per_layer):
-    """The Batch with int8 params (per layer and stacked) gives forward's logits with the same params:
-    each row of activations is split into int8 parts alone, so a token's product does not depend on
-    how many tokens go through the model with it (to float rounding: 1e-3 of logits of scale 1)."""
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_paged_steps_with_each_format_equal_forward_with_it(per_layer, fmt):
+    """The Batch with int8 params, or bfloat16 matrices (per layer and stacked), gives forward's logits
+    with the same params: int8 splits each row of activations into int8 parts alone, and a bfloat16
+    product rounds each row alone, so a token's product does not depend on how many tokens go through
+    the model with it (to float rounding: 1e-3 of logits of scale 1)."""
     params, cfg = tiny_model()
-    q = int8.quantize(params)
+    q = int8.quantize(params) if fmt == "int8" else bf16.matrices(params)
     prompts = [[7], [5, 6, 7, 8, 9], [(3 * j) % V for j in range(23)]]
     batch = Batch(q, cfg, slots=2, n_pages=30, page_size=4, max_len=64, keep_logits=True,
                   runner=RunnerConfig(buckets=(4, 16), per_layer=per_layer))
     layers = batch.runner.params["layers"]
-    assert isinstance((layers[0] if per_layer else layers)["wq"], int8.Int8)
+    wq = (layers[0] if per_layer else layers)["wq"]
+    assert isinstance(wq, int8.Int8) if fmt == "int8" else wq.dtype == jnp.bfloat16
     ids = [batch.add(p, 10) for p in prompts]
     while batch.running():
         batch.step()
@@ -97,3 +101,43 @@ def test_paged_steps_with_int8_weights_equal_forward_with_them(per_layer):
         ref_TxV = np.asarray(model.forward(q, cfg, np.array([tokens])))[0, len(p) - 1:-1]
         np.testing.assert_allclose(np.stack(batch.seqs[i].logits), ref_TxV, atol=1e-3, rtol=0)
         assert tokens[len(p):] == list(ref_TxV.argmax(-1))
+
+
+def test_dense_with_a_bfloat16_matrix_sums_the_rounded_operands_in_float32():
+    """x (float32) @ w (bfloat16): x rounded to bfloat16, the products summed in float32, the result
+    in x's dtype: the float64 product of the rounded operands to float32 rounding, where bfloat16
+    sums (8 mantissa bits) would be off by far more."""
+    rng = np.random.default_rng(0)
+    x_BxTxI = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    w_IxO = jnp.asarray(rng.standard_normal((256, 48)), jnp.bfloat16)
+    got = model.dense(x_BxTxI, w_IxO)
+    assert got.dtype == jnp.float32 and got.shape == (2, 3, 48)
+    x64 = np.asarray(x_BxTxI.astype(jnp.bfloat16), np.float64).reshape(6, 256)
+    exact = (x64 @ np.asarray(w_IxO, np.float64)).reshape(2, 3, 48)
+    bound = 258 * 2.0**-24 * (np.abs(x64) @ np.abs(np.asarray(w_IxO, np.float64))).reshape(2, 3, 48)
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+    # activations in bfloat16 too (Config.dtype): a bfloat16 result, as before bf16.matrices; the
+    # output head's float32 logits summed in float32
+    assert model.dense(x_BxTxI.astype(jnp.bfloat16), w_IxO).dtype == jnp.bfloat16
+    head = model.dense(x_BxTxI.astype(jnp.bfloat16), w_IxO, jnp.float32)
+    assert head.dtype == jnp.float32 and np.all(np.abs(np.asarray(head, np.float64) - exact) <= bound)
+
+
+def test_matrices_keeps_the_layout_and_rounds_each_matrix_to_bfloat16():
+    for tie in (True, False):
+        params, cfg = tiny_model(tie)
+        b = bf16.matrices(params)
+        assert b["embed"] is params["embed"] and b["final_norm"] is params["final_norm"]
+        for name, w in params["layers"].items():
+            if name.endswith("norm"):
+                assert b["layers"][name] is w
+                continue
+            assert b["layers"][name].dtype == jnp.bfloat16 and b["layers"][name].shape == w.shape
+            np.testing.assert_array_equal(np.asarray(b["layers"][name]), np.asarray(w.astype(jnp.bfloat16)))
+        head = params["embed"].T if tie else params["unembed"]
+        assert b["unembed"].dtype == jnp.bfloat16 and b["unembed"].shape == head.shape
+        tokens = jnp.arange(20)[None] % V                   # the logits move by bfloat16's rounding only
+        ref = np.asarray(model.forward(params, cfg, tokens))
+        got = np.asarray(model.forward(b, cfg, tokens))
+        assert got.dtype == np.float32
+        assert 0 < np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
