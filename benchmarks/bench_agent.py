@@ -89,6 +89,10 @@ stay float32; each product rounds x to bfloat16 and sums in float32) against lla
 weights written as BF16, or as --gguf-type says (q8_0: against llama.cpp's fastest format here);
 transformers is left out. On a CPU with AVX512_BF16 both multiply bfloat16 pairs in hardware.
 
+--int8 --bf16: int8.quantize(params, bf16=True), each matrix in int8 and in bfloat16 beside: a
+decode step of one row reads the int8 values, every product of more rows the bfloat16 ones (a
+prefill, a batch's step); against llama.cpp's Q8_0, or --gguf-type.
+
 Writes benchmarks/results/agent.json (--out elsewhere; --quick writes only where --out says).
 Needs the `ref` extra for transformers and llama.cpp (pyproject.toml says how to build llama.cpp);
 a loop whose library is missing is skipped, with the reason printed. Run it on an idle machine:
@@ -162,7 +166,8 @@ def parse_args(argv=None):
                         "(transformers is left out)")
     p.add_argument("--bf16", action="store_true",
                    help="minagent's matrices in bfloat16 (bf16.matrices) against llama.cpp's bf16, or "
-                        "--gguf-type (transformers is left out)")
+                        "--gguf-type (transformers is left out); with --int8: int8 for one row, bfloat16 "
+                        "beside for more (int8.quantize(params, bf16=True))")
     p.add_argument("--train-steps", type=int, default=None,
                    help="train the adapter this many steps instead of 03's (its own checkpoint): to try the path")
     p.add_argument("--no-ref", action="store_true", help="minagent's loops alone: no torch, no llama.cpp")
@@ -176,8 +181,6 @@ def parse_args(argv=None):
         args.threads = [len(os.sched_getaffinity(0))] if args.quick else [1, 2]
     if args.no_ref:
         args.loops = [name for name in args.loops if name.startswith("minagent")]
-    if args.int8 and args.bf16:
-        p.error("--int8 or --bf16, not both")
     if args.int8 or args.bf16:     # minagent's format, and llama.cpp's Q8_0 or BF16
         args.gguf_type = args.gguf_type or ("q8_0" if args.int8 else "bf16")
         args.loops = [name for name in args.loops if not name.startswith("transformers")]
@@ -746,12 +749,15 @@ def weight_bytes(name, run, shared, plan):
     """Bytes of weights a decode step at batch 1 reads: every matrix once (the tied embedding table
     too, as the output head). minagent: its Runner's params (int8 with their scales under --int8),
     less the embedding table where the head is a matrix of its own (int8.quantize and bf16.matrices
-    make one): a lookup reads one row of it; transformers: its model's parameters; llama.cpp: the
+    make one): a lookup reads one row of it, and less int8's bfloat16 copies (--int8 --bf16): a
+    step of one row reads the int8 values; transformers: its model's parameters; llama.cpp: the
     GGUF file (its header is a few MB)."""
     if name.startswith("minagent"):
         params = run.batch.runner.params
         looked_up = params["embed"].nbytes if "unembed" in params else 0
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(params)) - looked_up
+        matrices = jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, int8.Int8))
+        copies = sum(w.bf16.nbytes for w in matrices if isinstance(w, int8.Int8) and w.bf16 is not None)
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(params)) - looked_up - copies
     if name.startswith("transformers"):
         return sum(t.numel() * t.element_size() for t in shared["hf"].parameters())
     return pathlib.Path(plan["gguf"]).stat().st_size
@@ -763,8 +769,8 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
     if name.startswith("minagent"):
         slots = plan["episodes"] if name == "minagent batched" else 1
         if plan.get("int8"):
-            params = shared.setdefault("int8", int8.quantize(params))
-        if plan.get("bf16"):
+            params = shared.setdefault("int8", int8.quantize(params, bf16=plan.get("bf16", False)))
+        elif plan.get("bf16"):
             params = shared.setdefault("bf16", bf16.matrices(params))
         return minagent_loop(params, cfg, tok, slots, plan["max_len"], compile_shapes=plan["warmup"] == "shapes")
     if name.startswith("transformers"):
@@ -1008,7 +1014,9 @@ def main(argv=None):
     result = {"cpu": cpu, "load_average_before": load_before, "load_average_after": load_after,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick, "minutes": minutes,
               "workload": {"model": "SmolLM2-135M-Instruct, "
-                           + ("int8 (minagent) / Q8_0 (llama.cpp)" if args.int8 else
+                           + (f"int8 and bfloat16 beside (minagent) / {args.gguf_type} (llama.cpp)"
+                              if args.int8 and args.bf16 else
+                              "int8 (minagent) / Q8_0 (llama.cpp)" if args.int8 else
                               f"bfloat16 matrices (minagent) / {args.gguf_type} (llama.cpp)" if args.bf16 else
                               "float32") + ", greedy",
                            "weights": weights_used,

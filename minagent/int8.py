@@ -2,7 +2,13 @@
 is mostly reading every weight once. `params = int8.quantize(params)`, then Batch(params, ...)
 as before: each matrix a token multiplies (projections, output head) becomes int8 values and a
 float32 scale per output; the embedding table stays (a lookup reads one row). For decoding
-only: rounding has no gradient."""
+only: rounding has no gradient.
+
+`int8.quantize(params, bf16=True)` keeps each matrix in bfloat16 beside its int8 values: one
+row (a decode step of one sequence) reads the int8 bytes, more rows (a prefill, a batch's step)
+the bfloat16 ones, on CPUs with AVX512_BF16 the fastest product XLA has there for more than a
+row (see dot). Three times int8's bytes (405 MB for SmolLM2), three quarters of float32's.
+"""
 
 import typing
 
@@ -14,6 +20,7 @@ class Int8(typing.NamedTuple):
     q: jax.Array         # [..., O, I] int8: w transposed, each output's weights in one row
     #                      (GGUF's layout)
     scale: jax.Array     # [..., O, 1] float32: w.T ~ q * scale
+    bf16: jax.Array | None = None   # [..., O, I] bfloat16: w.T, for more rows than one; or None
 
 
 def _int8(x, axis=-1):
@@ -23,13 +30,16 @@ def _int8(x, axis=-1):
     return jnp.round(x / scale).astype(jnp.int8), scale
 
 
-def quantize(params):
-    """params (model.init's layout) with each projection and the output head in int8."""
-    layers = {name: Int8(*_int8(jnp.swapaxes(w_LxIxO, -1, -2))) if name.startswith("w") else w_LxIxO
+def quantize(params, bf16=False):
+    """params (model.init's layout) with each projection and the output head in int8 (bf16: and
+    in bfloat16 beside)."""
+    def matrix(w_OxI):
+        return Int8(*_int8(w_OxI), w_OxI.astype(jnp.bfloat16) if bf16 else None)
+    layers = {name: matrix(jnp.swapaxes(w_LxIxO, -1, -2)) if name.startswith("w") else w_LxIxO
               for name, w_LxIxO in params["layers"].items()}
     # tied: the table is w.T
     head_VxD = params["unembed"].T if "unembed" in params else params["embed"]
-    return {**params, "layers": layers, "unembed": Int8(*_int8(head_VxD))}
+    return {**params, "layers": layers, "unembed": matrix(head_VxD)}
 
 
 def dot(x_MxI, w):
@@ -46,7 +56,12 @@ def dot(x_MxI, w):
     fused there. (SmolLM2's int8 decode step at batch 1, 2 cores of an AMD EPYC Zen 4:
     23.6 -> 12.9 ms.)
 
-    More rows (prefill, batches): one int8 product with int32 sums, x quantized too.
+    More rows (prefill, batches), with w.bf16: x rounded to bfloat16, the products summed in
+    float32, as model.dense does for a bfloat16 w (SmolLM2's products on 2 cores of an AMD EPYC
+    Zen 4, 16 / 32 rows: 27 / 41 ms, against 43 / 85 ms for the int8 product below; the 64
+    episodes of benchmarks/bench_agent.py one at a time: 18.4-18.9 s -> 15.8 s).
+
+    More rows without w.bf16: one int8 product with int32 sums, x quantized too.
     x ~ s (q1 + q2 / 254), s a row's largest |value| / 127 and q2 what q1 missed (at most s / 2)
     in steps of s / 254: off by 1/64,516 of that value, where q1 alone is off by 1/254. Two rows
     for each of x's, as XLA on CPU converts w to int32 for one; w goes first for up to 4 rows of
@@ -56,10 +71,14 @@ def dot(x_MxI, w):
     if M == 1:                                                   # one row: w converted as read
         x_MxI = jnp.stack([x_MxI, jnp.zeros_like(x_MxI)]).sum(0)  # x written out (x + 0)
         return (jnp.dot(x_MxI, w.q.astype(x_MxI.dtype).T) * w.scale.T).astype(x_MxI.dtype)
+    rows = (([1], [1]), ([], []))                                # contract x's I with w's I
+    if w.bf16 is not None:
+        y_MxO = jax.lax.dot_general(x_MxI.astype(jnp.bfloat16), w.bf16, rows,
+                                    preferred_element_type=jnp.float32)
+        return y_MxO.astype(x_MxI.dtype)
     q1, s_Mx1 = _int8(x_MxI)
     # [q1; q2]
     x_2MxI = jnp.vstack([q1, jnp.round((x_MxI - q1 * s_Mx1) / s_Mx1 * 254).astype(jnp.int8)])
-    rows = (([1], [1]), ([], []))                                # contract x's I with w's I
     if M <= 4:                                                   # w first: faster for a few rows
         y_Ox2M = jax.lax.dot_general(w.q, x_2MxI, rows, preferred_element_type=jnp.int32)
         return (((y_Ox2M[:, :M] + y_Ox2M[:, M:] / 254) * w.scale).T * s_Mx1).astype(x_MxI.dtype)

@@ -57,7 +57,7 @@ def test_code_lines_count_code_only():
 
 def test_the_engine_stays_small_enough_to_read():
     """Lines of code (docstrings, comments and blank lines not counted): the engine (every module
-    directly in minagent/) at most 2,130, the reader's path through it (README, "Reading order") at
+    directly in minagent/) at most 2,140, the reader's path through it (README, "Reading order") at
     most 1,050. Set from the code of 2026-12-02 once wrapped at 100 columns (1,998 and 993), with
     room for a few more checks; the engine's raised from 2,100 on 2026-12-05 for int8's one-row
     product (two lines, off the reader's path, that halve a decode step at batch 1 on CPUs without
@@ -66,9 +66,12 @@ def test_the_engine_stays_small_enough_to_read():
     shapes: 14 lines that take the trip to the host off every token of an episode alone), and to
     2,130 on 2026-12-06 for bfloat16 matrices (bf16.py's 6 lines, off the reader's path, and one
     in model.dense, which puts the path at its 1,050: they take a third or more off a batch's time
-    on a CPU with AVX512_BF16). A clear sentence never counts against them."""
+    on a CPU with AVX512_BF16), and to 2,140 on 2026-12-06 for int8 with bfloat16 beside (int8.py's
+    7 lines, off the reader's path: a sequence alone reads the bfloat16 copies in its prefill calls
+    and the int8 values in its decode steps; 64 episodes one at a time on such a CPU, 18.4-18.9 s
+    -> 15.8 s). A clear sentence never counts against them."""
     path = ["tokenizer", "model", "cache", "decode", "batch", "agent"]
-    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2130
+    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2140
     assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1050
 
 

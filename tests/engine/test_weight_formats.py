@@ -1,5 +1,6 @@
-"""Weight formats for decoding: int8 (int8.quantize) and bfloat16 matrices (bf16.matrices). Each
-product's error bound, the params' layout, and the paged steps equal forward with the same weights.
+"""Weight formats for decoding: int8 (int8.quantize), int8 with bfloat16 beside (int8.quantize(params,
+bf16=True)) and bfloat16 matrices (bf16.matrices). Each product's error bound, the params' layout,
+and the paged steps equal forward with the same weights.
 
     python -m pytest tests/engine/test_weight_formats.py -q
 """
@@ -50,6 +51,25 @@ def test_dot_is_the_float_product_within_its_bound():
     assert np.all(one_row[2] == 0.0)
 
 
+def test_dot_with_bfloat16_beside_is_int8s_for_one_row_and_bfloat16s_for_more():
+    """One row: the int8 product, bit for bit. More rows: x rounded to bfloat16 and w's bfloat16
+    copy, summed in float32: the float64 product of the rounded operands to float32 rounding (far
+    from int8's values: the copy is the matrix before rounding to int8)."""
+    rng = np.random.default_rng(1)
+    x_MxI = jnp.asarray(rng.standard_normal((5, 96)), jnp.float32)
+    w_OxI = jnp.asarray(rng.standard_normal((80, 96)), jnp.float32)
+    alone = int8.Int8(*int8._int8(w_OxI))
+    w = int8.Int8(*int8._int8(w_OxI), w_OxI.astype(jnp.bfloat16))
+    for m in range(5):
+        np.testing.assert_array_equal(np.asarray(int8.dot(x_MxI[m:m + 1], w)),
+                                      np.asarray(int8.dot(x_MxI[m:m + 1], alone)))
+    got_MxO = np.asarray(int8.dot(x_MxI, w), np.float64)
+    x64, w64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in (x_MxI, w_OxI))
+    exact_MxO = x64 @ w64.T
+    assert np.all(np.abs(got_MxO - exact_MxO) <= 98 * 2.0**-24 * np.abs(x64) @ np.abs(w64.T))
+    assert np.abs(got_MxO - np.asarray(int8.dot(x_MxI, alone))).max() > 1e-3
+
+
 @pytest.mark.slow
 def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
     for tie in (True, False):
@@ -65,6 +85,11 @@ def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
             assert got.q.dtype == jnp.int8 and got.q.shape == (L, O, I) and got.scale.shape == (L, O, 1)
             step = np.swapaxes(np.asarray(got.scale), -1, -2)
             assert np.all(np.abs(as_float(got) - np.asarray(w)) <= step / 2 * (1 + 1e-6))
+            assert got.bf16 is None
+            beside = int8.quantize(params, bf16=True)["layers"][name]     # and w.T in bfloat16
+            np.testing.assert_array_equal(np.asarray(beside.q), np.asarray(got.q))
+            np.testing.assert_array_equal(np.asarray(beside.bf16, np.float32),
+                                          np.swapaxes(np.asarray(w.astype(jnp.bfloat16), np.float32), -1, -2))
         head = params["unembed"] if not tie else params["embed"].T
         step = np.asarray(q["unembed"].scale).T
         assert np.all(np.abs(as_float(q["unembed"]) - np.asarray(head)) <= step / 2 * (1 + 1e-6))
@@ -76,20 +101,21 @@ def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("per_layer", [True, False])
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int8+bf16", "bf16"])
 def test_paged_steps_with_each_format_equal_forward_with_it(per_layer, fmt):
     """The Batch with int8 params, or bfloat16 matrices (per layer and stacked), gives forward's logits
     with the same params: int8 splits each row of activations into int8 parts alone, and a bfloat16
     product rounds each row alone, so a token's product does not depend on how many tokens go through
-    the model with it (to float rounding: 1e-3 of logits of scale 1)."""
+    the model with it (to float rounding: 1e-3 of logits of scale 1). int8 with bfloat16 beside: two
+    slots, so every step has two rows or more and reads the bfloat16 copies, as forward does."""
     params, cfg = tiny_model()
-    q = int8.quantize(params) if fmt == "int8" else bf16.matrices(params)
+    q = bf16.matrices(params) if fmt == "bf16" else int8.quantize(params, bf16=fmt == "int8+bf16")
     prompts = [[7], [5, 6, 7, 8, 9], [(3 * j) % V for j in range(23)]]
     batch = Batch(q, cfg, slots=2, n_pages=30, page_size=4, max_len=64, keep_logits=True,
                   runner=RunnerConfig(buckets=(4, 16), per_layer=per_layer))
     layers = batch.runner.params["layers"]
     wq = (layers[0] if per_layer else layers)["wq"]
-    assert isinstance(wq, int8.Int8) if fmt == "int8" else wq.dtype == jnp.bfloat16
+    assert wq.dtype == jnp.bfloat16 if fmt == "bf16" else isinstance(wq, int8.Int8)
     ids = [batch.add(p, 10) for p in prompts]
     while batch.running():
         batch.step()
