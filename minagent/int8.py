@@ -59,7 +59,8 @@ def dot(x_MxI, w):
     More rows (prefill, batches), with w.bf16: x rounded to bfloat16, the products summed in
     float32, as model.dense does for a bfloat16 w (SmolLM2's products on 2 cores of an AMD EPYC
     Zen 4, 16 / 32 rows: 27 / 41 ms, against 43 / 85 ms for the int8 product below; the 64
-    episodes of benchmarks/bench_agent.py one at a time: 18.4-18.9 s -> 15.8 s).
+    episodes of benchmarks/bench_agent.py one at a time: 18.4-18.9 s -> 15.8 s, in a script that
+    ran them twice each way).
 
     More rows without w.bf16: one int8 product with int32 sums, x quantized too.
     x ~ s (q1 + q2 / 254), s a row's largest |value| / 127 and q2 what q1 missed (at most s / 2)

@@ -62,3 +62,32 @@ def test_bench_agent_quick(tmp_path, smollm2_gguf):
     # Both loops push the same positions: each episode's own tokens, whatever shares its batch.
     assert loops["minagent batched"]["positions"] == loops["minagent one by one"]["positions"]
     assert "minagent batched" in proc.stdout and "identical" in proc.stdout
+
+
+def test_int8_with_bfloat16_beside_is_one_format_whose_decode_step_reads_the_int8_bytes():
+    """--int8 --bf16: int8.quantize(params, bf16=True) against llama.cpp's Q8_0 (transformers left
+    out); the bytes a decode step at batch 1 reads are the int8 ones, the bfloat16 copies not
+    counted (each is twice its int8 matrix's bytes)."""
+    import importlib.util
+    import types
+
+    import jax
+
+    from minagent import int8, model
+    spec = importlib.util.spec_from_file_location("bench_agent", ROOT / "benchmarks" / "bench_agent.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--int8", "--bf16"])
+    assert args.int8 and args.bf16 and args.gguf_type == "q8_0"
+    assert not any(name.startswith("transformers") for name in args.loops)
+
+    cfg = model.Config(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    params = model.init(jax.random.PRNGKey(0), cfg)
+
+    def read(p):
+        run = types.SimpleNamespace(batch=types.SimpleNamespace(runner=types.SimpleNamespace(params=p)))
+        return bench.weight_bytes("minagent one by one", run, {}, {})
+    alone, beside = int8.quantize(params), int8.quantize(params, bf16=True)
+    copies = sum(w.bf16.nbytes for w in [*beside["layers"].values(), beside["unembed"]] if isinstance(w, int8.Int8))
+    assert copies > 0 and read(beside) == read(alone)
+    assert sum(x.nbytes for x in jax.tree.leaves(beside)) == sum(x.nbytes for x in jax.tree.leaves(alone)) + copies
