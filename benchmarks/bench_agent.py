@@ -480,10 +480,12 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
 
     def run(ms):
         clock = Clock()
-        real = batch.step, decode.prefill_step, decode.decode_step, decode.sample_step, batch.steps, decode.decode_steps
-        batch.step, batch.steps = clock.wrap("batch.step", real[0]), clock.wrap("batch.step", real[4])
-        prefill_jit, decode_jit = clock.wrap("jit", real[1], blocking=True), clock.wrap("jit", real[2], blocking=True)
-        steps_jit = clock.wrap("jit", real[5], blocking=True)
+        real = {"prefill_step": decode.prefill_step, "decode_step": decode.decode_step,     # decode's own,
+                "sample_step": decode.sample_step, "decode_steps": decode.decode_steps}    # put back after
+        batch.step, batch.steps = clock.wrap("batch.step", batch.step), clock.wrap("batch.step", batch.steps)
+        prefill_jit = clock.wrap("jit", real["prefill_step"], blocking=True)
+        decode_jit = clock.wrap("jit", real["decode_step"], blocking=True)
+        steps_jit = clock.wrap("jit", real["decode_steps"], blocking=True)
 
         def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW):
             t0 = time.perf_counter()
@@ -502,7 +504,7 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
             return out
         def decode_steps(params, cfg, cache, slots, *args):     # an episode alone: its stretch in one call
             t0 = time.perf_counter()
-            decode.decode_step = real[2]          # what its loop calls, if it is traced now: not timed
+            decode.decode_step = real["decode_step"]    # what its loop calls, if traced now: not timed
             try:
                 out = steps_jit(params, cfg, cache, slots, *args)
             finally:
@@ -514,7 +516,7 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
             clock.model_call("decode", time.perf_counter() - t0, rows, tokens, rows, tokens, calls=n_steps)
             return out
         decode.prefill_step, decode.decode_step, decode.decode_steps = prefill_step, decode_step, decode_steps
-        decode.sample_step = clock.wrap("jit", real[3], blocking=True)    # a prefill's next tokens
+        decode.sample_step = clock.wrap("jit", real["sample_step"], blocking=True)    # a prefill's next tokens
         try:
             boxes = toolboxes(ms, clock)
             prompts = [m.trace[0] for m in ms]
@@ -525,7 +527,8 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
                            for r in agent.run(batch, tok, FMT, prompts[i:i + slots], boxes[i:i + slots])]
         finally:
             del batch.step, batch.steps                      # the class's methods again
-            decode.prefill_step, decode.decode_step, decode.sample_step, _, decode.decode_steps = real[1:]
+            for name, fn in real.items():
+                setattr(decode, name, fn)
         return [episode(r.status, r.answer, r.calls, r.tokens, r.positions) for r in records], clock
 
     run.batch, run.compile_s = batch, time.perf_counter() - t0 if compile_shapes else None
