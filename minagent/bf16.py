@@ -15,7 +15,8 @@ sums: XLA converts each elementwise step's operands to float32 and back (the sam
 For batches, not for one row: XLA runs a bfloat16 product of a single row of x slowly (the 211
 products at 1 row: 235 ms, float32 32 ms), so a batch of one slot is slower than in float32
 (the 64 episodes one at a time: 113.6 s, against 47.1 s in float32 on such a CPU); int8.quantize
-is the format for that. Not measured on a CPU without AVX512_BF16, where XLA has no bfloat16
+is the format for that, and int8.quantize(params, bf16=True) holds both: int8 for one row, these
+bfloat16 matrices for more. Not measured on a CPU without AVX512_BF16, where XLA has no bfloat16
 product to use: measure there before you choose it (benchmarks/bench_agent.py --bf16 --quick).
 
 The numbers move by bfloat16's rounding (8 mantissa bits): logits by a few hundredths, so greedy

@@ -30,6 +30,20 @@ def as_float(w):
     return np.swapaxes(np.asarray(w.q, np.float32) * np.asarray(w.scale), -1, -2)
 
 
+def converted_matrices(params, out):
+    """What a format (int8.quantize, bf16.matrices) leaves alone is the same arrays: the embedding
+    table, the final norm, each layer's norms. -> [(name, w, out's w)] for each layer's matrices."""
+    assert out["embed"] is params["embed"] and out["final_norm"] is params["final_norm"]
+    pairs = []
+    for name, w in params["layers"].items():
+        if name.endswith("norm"):
+            assert out["layers"][name] is w
+        else:
+            pairs.append((name, w, out["layers"][name]))
+    assert pairs
+    return pairs
+
+
 def test_dot_is_the_float_product_within_its_bound():
     """int8.dot(x, w) against x @ (q * scale) in float64: off by at most max|x_m| / 64,516 times
     sum_i |w_io| (x's two int8 parts; the int32 sums are exact); a row alone (x kept as it is, w
@@ -75,24 +89,21 @@ def test_quantize_keeps_the_layout_and_each_weight_within_half_a_step():
     for tie in (True, False):
         params, cfg = tiny_model(tie)
         q = int8.quantize(params)
-        assert q["embed"] is params["embed"] and q["final_norm"] is params["final_norm"]
-        for name, w in params["layers"].items():
-            if name.endswith("norm"):
-                assert q["layers"][name] is w
-                continue
-            got = q["layers"][name]
+        beside = int8.quantize(params, bf16=True)                   # and w.T in bfloat16 beside
+        for (name, w, got), (_, _, both) in zip(converted_matrices(params, q), converted_matrices(params, beside)):
             L, I, O = w.shape
             assert got.q.dtype == jnp.int8 and got.q.shape == (L, O, I) and got.scale.shape == (L, O, 1)
             step = np.swapaxes(np.asarray(got.scale), -1, -2)
             assert np.all(np.abs(as_float(got) - np.asarray(w)) <= step / 2 * (1 + 1e-6))
             assert got.bf16 is None
-            beside = int8.quantize(params, bf16=True)["layers"][name]     # and w.T in bfloat16
-            np.testing.assert_array_equal(np.asarray(beside.q), np.asarray(got.q))
-            np.testing.assert_array_equal(np.asarray(beside.bf16, np.float32),
+            np.testing.assert_array_equal(np.asarray(both.q), np.asarray(got.q))
+            np.testing.assert_array_equal(np.asarray(both.bf16, np.float32),
                                           np.swapaxes(np.asarray(w.astype(jnp.bfloat16), np.float32), -1, -2))
         head = params["unembed"] if not tie else params["embed"].T
         step = np.asarray(q["unembed"].scale).T
         assert np.all(np.abs(as_float(q["unembed"]) - np.asarray(head)) <= step / 2 * (1 + 1e-6))
+        np.testing.assert_array_equal(np.asarray(beside["unembed"].bf16, np.float32),
+                                      np.asarray(head.T.astype(jnp.bfloat16), np.float32))
         if tie:
             tokens = jnp.arange(20)[None] % V                   # and the logits move by int8's error only
             ref = np.asarray(model.forward(params, cfg, tokens))
@@ -153,13 +164,9 @@ def test_matrices_keeps_the_layout_and_rounds_each_matrix_to_bfloat16():
     for tie in (True, False):
         params, cfg = tiny_model(tie)
         b = bf16.matrices(params)
-        assert b["embed"] is params["embed"] and b["final_norm"] is params["final_norm"]
-        for name, w in params["layers"].items():
-            if name.endswith("norm"):
-                assert b["layers"][name] is w
-                continue
-            assert b["layers"][name].dtype == jnp.bfloat16 and b["layers"][name].shape == w.shape
-            np.testing.assert_array_equal(np.asarray(b["layers"][name]), np.asarray(w.astype(jnp.bfloat16)))
+        for name, w, got in converted_matrices(params, b):
+            assert got.dtype == jnp.bfloat16 and got.shape == w.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(w.astype(jnp.bfloat16)))
         head = params["embed"].T if tie else params["unembed"]
         assert b["unembed"].dtype == jnp.bfloat16 and b["unembed"].shape == head.shape
         tokens = jnp.arange(20)[None] % V                   # the logits move by bfloat16's rounding only
