@@ -43,8 +43,9 @@ text given whole as a prompt. (docs/engine.md: "The pause mask", "Prefix reuse".
 A step is: admit what can be (`_admit`); prefill the pending tokens of each newly
 admitted sequence that has more than one (`_prefill`: rows of T tokens, T from a
 few length buckets) and sample its next token from the logits of its last; then
-one decode step over the other running slots (`_decode`). `_took` appends each
-token sampled.
+one decode step over the other running slots (`_decode`). A prefill of a few short
+chunks (tool results, mostly) goes in the decode step's call, one pass over the
+weights for both (RunnerConfig.prefill_beside). `_took` appends each token sampled.
 The device work (shapes, the cache, the jitted steps) is the Runner's (runner.py).
 """
 
@@ -233,10 +234,11 @@ class Batch:
         """Admit and prefill what can start, then one decode step -> {id: token sampled}.
 
         A sequence prefilled in this step samples its token from the prefill's logits and sits
-        out the decode step: one token a sequence a step either way."""
-        running, first = self._start()
-        out = self._decode(running) if running else {}
-        self._seat_all(first)
+        out the decode step: one token a sequence a step either way. (Its prefill may run in
+        the decode step's call: RunnerConfig.prefill_beside.)"""
+        running, first, beside = self._start(beside=True)
+        out = self._decode(running, beside) if running else {}
+        self._seat_all([*first, *(seq.id for seq in beside.values())])
         return {**first, **out}
 
     def steps(self, n):
@@ -249,7 +251,7 @@ class Batch:
         """
         if not is_int(n) or n < 1:
             raise ValueError(f"n={n!r}: the steps a call, an integer >= 1")
-        running, first = self._start()
+        running, first, _ = self._start()
         if not running or any(s.mask is not None for s in running) or self.keep_logits:
             out = self._decode(running) if running else {}
             self._seat_all(first)
@@ -283,10 +285,11 @@ class Batch:
 
     # ------------------------------------------------------------ a step, in order
 
-    def _start(self):
+    def _start(self, beside=False):
         """Admit what can be, prefill it -> (the running sequences for the decode step, {id:
-        first token} of those the prefill sampled, seated after the decode step); none running:
-        raise Stuck, or ([], {})."""
+        first token} of those the prefill sampled, seated after the decode step, {row: sequence}
+        of a prefill left to go beside the decode step); none running: raise Stuck, or ([], {},
+        {}). beside: a prefill that fits may go in the decode step's call (Runner.fits_beside)."""
         admitted, short_of_pages = self._admit()
         running = [self.seqs[i] for i in self._in_slot
                    if i is not None and self.seqs[i].status is Status.RUNNING]
@@ -300,12 +303,14 @@ class Batch:
             if self._queue:
                 raise Stuck(f"sequences {self._queue} wait for a slot and every slot holds a "
                             f"paused, stopped or length-limited sequence: finish some")
-            return [], {}
-        first = self._prefill(admitted)
+            return [], {}, {}
+        decoding = any(len(s.pending) == 1 for s in running)
+        first, later = self._prefill(admitted, beside and decoding)
+        prefilled = first.keys() | {s.id for s in later.values()}
         for seq in admitted:
-            if seq.id not in first:
+            if seq.id not in prefilled:
                 self._seat(seq)
-        return [s for s in running if s.id not in first], first
+        return [s for s in running if s.id not in prefilled], first, later
 
     def _admit(self):
         """Give queued sequences a slot and the pages their stretch can fill -> (admitted, ids
@@ -330,11 +335,13 @@ class Batch:
             admitted.append(seq)
         return admitted, short
 
-    def _prefill(self, seqs):
+    def _prefill(self, seqs, beside=False):
         """Push the pending tokens of each sequence that has more than one, and sample its next
-        token from the logits of the last -> {id: token}. As many rows a device a call as the
-        Runner's prefill_size gives for what waits, chunks of at most the largest bucket, the
-        shortest first (similar lengths together: less padding).
+        token from the logits of the last -> ({id: token}, {}). As many rows a device a call as
+        the Runner's prefill_size gives for what waits, chunks of at most the largest bucket, the
+        shortest first (similar lengths together: less padding). beside: once what waits fits in
+        the decode step's call (Runner.fits_beside), leave it for that call: -> ({id: token},
+        {row: sequence}) for _decode.
 
         Sampling here saves a model call a stretch: pushing all but the last pending token and
         leaving that one to the decode step would make a prompt, or a tool's result, cost a
@@ -343,6 +350,8 @@ class Batch:
         biggest = self.runner.buckets[-1]
         todo, first = [s for s in seqs if len(s.pending) > 1], {}
         while todo := sorted(todo, key=lambda s: len(s.pending)):
+            if beside and self.runner.fits_beside([len(s.pending) for s in todo]):
+                return first, dict(enumerate(todo))          # the last few: beside the decode step
             own = [[s for s in todo if self._device(s.slot) == d]
                    for d in range(self.runner.n_devices)]
             R = self.runner.prefill_size([[min(len(s.pending), biggest) for s in mine]
@@ -360,7 +369,7 @@ class Batch:
             if done:
                 first.update(self._sample_first(logits_RxV, done))
             todo = [s for s in todo if s.id not in first]
-        return first
+        return first, {}
 
     def _sample_first(self, logits_RxV, rows):
         """Each row's sequence samples its next token from the prefill's logits -> {id: token}."""
@@ -398,15 +407,18 @@ class Batch:
         state.page_table_BxW[b] = NULL_PAGE
         state.page_table_BxW[b, :len(seq.pages)] = seq.pages
 
-    def _decode(self, running):
+    def _decode(self, running, beside={}):
+        """One decode step for the running sequences, and the prefill `beside` it (_prefill) in
+        the same call -> {id: token} of both."""
         allowed_BxV = None      # no mask: the plain step (a None argument compiles without it)
         if any(s.mask is not None for s in running):
             allowed_BxV = np.ones((self.slots, self.cfg.vocab_size), bool)
             for s in running:
                 if s.mask is not None:
                     allowed_BxV[s.slot] = s.mask(s.tokens[s.stretch:])
-        later, logits_RxV, rows_R = self.runner.decode(self.state, self.temperature, self.top_k,
-                                                       allowed_BxV)
+        later, logits_RxV, rows_R, beside_RxV = self.runner.decode(
+            self.state, self.temperature, self.top_k, allowed_BxV,
+            {b: (s.pending, s.cached, s.pages) for b, s in beside.items()})
         self.state.tokens_B[:] = later.tokens_B
         self.state.lengths_B[:] = later.lengths_B
         if self.keep_logits:
@@ -418,6 +430,11 @@ class Batch:
                 seq.logits.append(logits_RxV[row[seq.slot]])
             seq.positions += 1                             # its pending token, pushed
             self._took(seq, token)
+        for seq in beside.values():                        # every pending token, pushed
+            seq.positions += len(seq.pending)
+            seq.pending = []
+        if beside:
+            out.update(self._sample_first(beside_RxV, beside))
         return out
 
     def _took(self, seq, token):

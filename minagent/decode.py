@@ -2,13 +2,17 @@
 
 One core function, `extend`, pushes up to T new tokens per row through the
 model, starting at each row's current length, and writes their keys and values
-into the row's pages. The jitted steps are uses of it:
+into the row's pages (`extend_groups`: several groups of rows, each its own T, in
+one call). The jitted steps are uses of it:
 
     prefill_step   extend over B rows of T tokens, T from a few length buckets
                    (8, 16, 32, ...): prompts, and tokens appended on resume;
                    sample_step then samples each row's next token from its logits
     decode_step    extend with T = 1 over every slot, then sample one token per
                    slot; a slot whose pause mask is off pushes nothing
+    decode_prefill_step
+                   a decode step with a prefill's rows beside it: one pass over the
+                   weights for both (extend_groups)
     decode_steps   up to n decode steps in one call, a slot stopping on its own when
                    it samples an end token, the call when all have: no trip to the
                    host between them
@@ -75,14 +79,95 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     params["layers"]: stacked [L, ...] arrays (model.py's layout), scanned over; or a list of
     per-layer dicts (runner.unstack_layers), run one after another.
     """
+    group = (tokens_BxT, start_B, n_new_B, page_table_BxW)
+    (logits_BxV,), cache = extend_groups(params, cfg, cache, [group], [attention])
+    return logits_BxV, cache
+
+
+def extend_groups(params, cfg, cache, groups, attentions):
+    """extend for several groups of rows in one call -> ([logits_BxV of each group], the cache).
+
+    groups: (tokens_BxT, start_B, n_new_B, page_table_BxW) each, every group its own B, T and W;
+    attentions: each group's way of reading its pages. A decode step's rows (T = 1) and a few
+    rows of a prefill beside them (T = 12, say) go through the model together: the parts of a
+    layer that treat each token alone (norms, projections, the MLP: the products, which read
+    every weight once a call however many tokens they take) run once on every group's tokens,
+    one after another in a single axis; attention runs group by group, each row over its own
+    pages. The same numbers as a call per group (the rows never meet), one pass over the
+    weights instead of one a group.
+    """
+    sizes = [tokens_BxT.shape for tokens_BxT, *_ in groups]      # (B, T) of each group
+    for (B, T), attention in zip(sizes, attentions):
+        if attention not in ("gather", "pallas") or (attention == "pallas" and T != 1):
+            raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', or "
+                             f"'pallas' for one")
+
+    # Every group's tokens one after another in one row of M = the sum of B * T: the per-token
+    # parts take them all at once (join); attention and the last tokens, group by group (split).
+    def join(arrays_BxTx_):
+        return jnp.concatenate([a.reshape(1, -1, *a.shape[2:]) for a in arrays_BxTx_], axis=1)
+
+    def split(a_1xMx_):
+        parts = jnp.split(a_1xMx_[0], np.cumsum([B * T for B, T in sizes])[:-1])
+        return [a.reshape(B, T, *a.shape[1:]) for a, (B, T) in zip(parts, sizes)]
+
+    places = [_place(cache["k"].shape[3], *group) for group in groups]
+    positions_1xM, page_1xM, offset_1xM = (join([place[name] for place in places])
+                                           for name in ("positions_BxT", "page_BxT", "offset_BxT"))
+
+    def layer(carry, lp_and_l):
+        x_1xMxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
+        lp, l = lp_and_l
+        q_1xMxNxH, k_1xMxKxH, v_1xMxKxH = model.qkv(lp, cfg, x_1xMxD, positions_1xM)
+        # Write first, then read the row's pages back: the chunk attends to itself through the
+        # cache. The cache is carried from layer to layer, so XLA updates it in place (no
+        # per-layer copies). `at`: layer l, every kv head, each new token's page and offset.
+        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is
+        # [1, M, K, H].)
+        # A non-finite key or value is written as 0: a row that overflows keeps its NaN in its own
+        # logits (the residual stream carries it), and no other row can read it from a page it gets
+        # later, nor from the null page; Pallas attention relies on that (paged_attention).
+        k_1xMxKxH, v_1xMxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_1xMxKxH, v_1xMxKxH))
+        at = (l, slice(None), page_1xM, offset_1xM)
+        k_LxKxPxZxH = k_LxKxPxZxH.at[at].set(k_1xMxKxH.astype(k_LxKxPxZxH.dtype))
+        v_LxKxPxZxH = v_LxKxPxZxH.at[at].set(v_1xMxKxH.astype(v_LxKxPxZxH.dtype))
+        attn = []
+        for q_BxTxNxH, place, attention in zip(split(q_1xMxNxH), places, attentions):
+            table_BxW = place["page_table_BxW"]
+            if attention == "pallas":
+                attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
+                                              table_BxW, place["length_B"])[:, None]
+            else:
+                keys_BxSxKxH = gather_pages(k_LxKxPxZxH[l], table_BxW)
+                values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], table_BxW)
+                values_BxSxKxH = jnp.where(place["holds_BxS"][:, :, None, None], values_BxSxKxH, 0)
+                attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH,
+                                           place["mask_BxTxS"])
+            attn.append(attn_BxTxNH.reshape(*q_BxTxNxH.shape[:2], -1))
+        # back to the residual stream's dtype (the cache's may be wider)
+        attn_1xMxNH = join(attn).astype(x_1xMxD.dtype)
+        return (model.finish_layer(lp, cfg, x_1xMxD, attn_1xMxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
+
+    carry = (join([model.embed(params, tokens_BxT) for tokens_BxT, *_ in groups]), cache["k"],
+             cache["v"])
+    if isinstance(params["layers"], list):     # runner.unstack_layers: layer by layer, in place
+        for l, lp in enumerate(params["layers"]):
+            carry, _ = layer(carry, (lp, l))
+    else:                                       # stacked [L, ...] weights: a scan over the layers
+        carry, _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(cfg.n_layers)))
+    x_1xMxD, k, v = carry
+    # Each row's last new token, every group's rows together: one pass over the output head.
+    lasts = [jnp.take_along_axis(x_BxTxD, jnp.maximum(place["n_new_B"] - 1, 0)[:, None, None], 1)
+             for x_BxTxD, place in zip(split(x_1xMxD), places)]
+    logits_RxV = model.unembed(params, cfg, jnp.concatenate(lasts, axis=0))[:, 0]
+    return jnp.split(logits_RxV, np.cumsum([B for B, _ in sizes])[:-1]), {"k": k, "v": v}
+
+
+def _place(Z, tokens_BxT, start_B, n_new_B, page_table_BxW):
+    """Where a group's new tokens go, and which keys each may see -> a dict of arrays."""
     B, T = tokens_BxT.shape
     W = page_table_BxW.shape[1]
-    K, _, Z, H = cache["k"].shape[1:]
-    if attention not in ("gather", "pallas") or (attention == "pallas" and T != 1):
-        raise ValueError(f"attention={attention!r} with {T} new tokens a row: 'gather', "
-                         f"or 'pallas' for one")
     S = W * Z                     # key positions: every position of the row's gathered pages
-
     positions_BxT = start_B[:, None] + jnp.arange(T)
     is_new_BxT = jnp.arange(T) < n_new_B[:, None]
     # Where each new token's K/V goes: page table[p // Z], offset p % Z; padding -> null page.
@@ -90,7 +175,6 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     column_BxT = jnp.minimum(positions_BxT // Z, W - 1)
     table_page_BxT = jnp.take_along_axis(page_table_BxW, column_BxT, axis=1)
     page_BxT = jnp.where(is_new_BxT, table_page_BxT, NULL_PAGE)
-    offset_BxT = positions_BxT % Z
 
     # Key s of the gathered pages is position s of the row. A query at position p
     # sees keys s <= p (causal, inside the chunk too) that the row really holds
@@ -101,46 +185,9 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     key_pos_S = jnp.arange(S)
     holds_BxS = key_pos_S < length_B[:, None]
     mask_BxTxS = (key_pos_S <= positions_BxT[:, :, None]) & holds_BxS[:, None, :]
-
-    def layer(carry, lp_and_l):
-        x_BxTxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
-        lp, l = lp_and_l
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = model.qkv(lp, cfg, x_BxTxD, positions_BxT)
-        # Write first, then read the row's pages back: the chunk attends to itself through the
-        # cache. The cache is carried from layer to layer, so XLA updates it in place (no
-        # per-layer copies). `at`: layer l, every kv head, each new token's page and offset.
-        # (NumPy's rule: index arrays split by a slice put their dims first, so the target is
-        # [B, T, K, H].)
-        # A non-finite key or value is written as 0: a row that overflows keeps its NaN in its own
-        # logits (the residual stream carries it), and no other row can read it from a page it gets
-        # later, nor from the null page; Pallas attention relies on that (paged_attention).
-        k_BxTxKxH, v_BxTxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_BxTxKxH, v_BxTxKxH))
-        at = (l, slice(None), page_BxT, offset_BxT)
-        k_LxKxPxZxH = k_LxKxPxZxH.at[at].set(k_BxTxKxH.astype(k_LxKxPxZxH.dtype))
-        v_LxKxPxZxH = v_LxKxPxZxH.at[at].set(v_BxTxKxH.astype(v_LxKxPxZxH.dtype))
-        if attention == "pallas":
-            attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
-                                          page_table_BxW, length_B)[:, None]
-        else:
-            keys_BxSxKxH = gather_pages(k_LxKxPxZxH[l], page_table_BxW)
-            values_BxSxKxH = gather_pages(v_LxKxPxZxH[l], page_table_BxW)
-            values_BxSxKxH = jnp.where(holds_BxS[:, :, None, None], values_BxSxKxH, 0)
-            attn_BxTxNH = model.attend(q_BxTxNxH, keys_BxSxKxH, values_BxSxKxH, mask_BxTxS)
-        # back to the residual stream's dtype (the cache's may be wider)
-        attn_BxTxNH = attn_BxTxNH.reshape(B, T, -1).astype(x_BxTxD.dtype)
-        return (model.finish_layer(lp, cfg, x_BxTxD, attn_BxTxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
-
-    carry = (model.embed(params, tokens_BxT), cache["k"], cache["v"])
-    if isinstance(params["layers"], list):     # runner.unstack_layers: layer by layer, in place
-        for l, lp in enumerate(params["layers"]):
-            carry, _ = layer(carry, (lp, l))
-    else:                                       # stacked [L, ...] weights: a scan over the layers
-        carry, _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(cfg.n_layers)))
-    x_BxTxD, k, v = carry
-    last_B = jnp.maximum(n_new_B - 1, 0)
-    x_last_Bx1xD = jnp.take_along_axis(x_BxTxD, last_B[:, None, None], axis=1)
-    logits_BxV = model.unembed(params, cfg, x_last_Bx1xD)[:, 0]
-    return logits_BxV, {"k": k, "v": v}
+    return dict(positions_BxT=positions_BxT, page_BxT=page_BxT, offset_BxT=positions_BxT % Z,
+                page_table_BxW=page_table_BxW, n_new_B=n_new_B, length_B=length_B,
+                holds_BxS=holds_BxS, mask_BxTxS=mask_BxTxS)
 
 
 def gather_pages(pool_KxPxZxH, page_table_BxW):
@@ -277,14 +324,44 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     are the model's, unmasked. attention: "gather" or "pallas" (extend).
     """
     TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None] += 1
+    later, logits_BxV, _, cache = _decode(params, cfg, cache, slots, temperature, top_k,
+                                          allowed_BxV, attention, [])
+    return later, logits_BxV, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),
+                   donate_argnames=("cache",))
+def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, page_table_RxW,
+                        temperature=0.0, top_k=0, allowed_BxV=None, attention="gather"):
+    """A decode step and a prefill of R rows beside it, in one pass over the weights ->
+    (slots one token later, logits_BxV, logits_RxV of each prefill row's last new token, cache).
+
+    The same as prefill_step(tokens_RxT, ...) then decode_step(slots, ...), the prefill's rows
+    on pages of their own (extend_groups). Why: an agent's tool results come back a few at a
+    time while the other episodes decode, each a prefill of a dozen tokens, and a prefill call
+    of a few rows costs about what a decode step does, most of it reading the weights (SmolLM2
+    on 2 cores of an AMD EPYC Zen 4: a decode step of 32 rows and a prefill of 4 x 12 tokens,
+    138 ms as two calls, 118 ms as one)."""
+    TRACES["decode+prefill", slots.page_table_BxW.shape, tokens_RxT.shape,
+           allowed_BxV is None] += 1
+    later, logits_BxV, (logits_RxV,), cache = _decode(
+        params, cfg, cache, slots, temperature, top_k, allowed_BxV, attention,
+        [(tokens_RxT, start_R, n_new_R, page_table_RxW)])
+    return later, logits_BxV, logits_RxV, cache
+
+
+def _decode(params, cfg, cache, slots, temperature, top_k, allowed_BxV, attention, beside):
+    """decode_step's work, with `beside` (prefill groups) pushed in the same call -> (later,
+    logits_BxV, [each beside group's logits], cache)."""
     n_new_B = slots.active_B.astype(jnp.int32)
-    logits_BxV, cache = extend(params, cfg, cache, slots.tokens_B[:, None], slots.lengths_B,
-                               n_new_B, slots.page_table_BxW, attention)
+    step = (slots.tokens_B[:, None], slots.lengths_B, n_new_B, slots.page_table_BxW)
+    (logits_BxV, *beside_logits), cache = extend_groups(
+        params, cfg, cache, [step, *beside], [attention] + ["gather"] * len(beside))
     masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
     next_B = sample(masked_BxV, slots.seeds_B, slots.lengths_B + 1, temperature, top_k)
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),
                                 lengths_B=slots.lengths_B + n_new_B)
-    return later, logits_BxV, cache
+    return later, logits_BxV, beside_logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n", "temperature", "top_k", "attention"),

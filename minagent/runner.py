@@ -9,7 +9,7 @@ turns those decisions into fixed-shape arrays and runs decode.py's steps on them
     R = runner.prefill_size([[len(tokens), ...]])               # rows for the next prefill call
     logits = runner.prefill({0: (tokens, start, pages), ...}, R)  # new tokens into their pages
     tokens_R = runner.sample(logits, seeds_R, positions_R)     # each prefill row's next token
-    later, logits_RxV, rows_R = runner.decode(slots)           # one token for every active slot
+    later, logits_RxV, rows_R, _ = runner.decode(slots)        # one token for every active slot
     runner.warmup()                                            # compile every shape now
 
 Shapes. A step reads every page in its table's width, so a step gets only as many columns
@@ -30,12 +30,21 @@ four calls of 4 (SmolLM2 on 2 CPU cores: 146 ms against 4 x 51 ms for chunks of 
 prefill_positions / 16 tokens, so that it adds shapes only where short chunks wait together:
 prompts at the start of a batch, tool results coming back.
 
+A prefill beside the decode step (RunnerConfig.prefill_beside, off by default). When what
+waits fits one call of the smallest row count with chunks of at most prefill_beside tokens (a
+few tool results, say), it runs in the decode step's call (decode.decode_prefill_step), its
+chunks padded to prefill_beside: the weights are read once for both (64 episodes of SmolLM2 on
+2 cores: 42 prefill calls -> 22). Each decode shape compiles a second time with those rows
+beside it, which is why it is off by default: see the memory mappings below.
+
 Every shape is one more compiled step, and on CPU one more thousand or so memory mappings
 (SmolLM2's step with its 30 layers unrolled, per_layer: 976; stacked: 137), where Linux allows a
 process 65,530 by default. A 64-slot SmolLM2 batch's warm-up compiles 94 shapes (113 with a row
 count of 64 as well reached 57,442 mappings), and a second batch warmed up in the same process
-can run LLVM out of them (an abort, "Cannot allocate memory"). Fewer buckets or row counts,
-per_layer=False (5 % slower decode steps at 8 to 64 rows), or a process per batch keep under it.
+can run LLVM out of them (an abort, "Cannot allocate memory"). So can one such batch with a
+prefill beside the decode step: 24 more shapes of about 720 mappings each (a decode step's: 520).
+Fewer buckets or row counts, per_layer=False (5 % slower decode steps at 8 to 64 rows), a process
+per batch, or compiling shapes as they come (no warm-up) keep under it.
 
 Rows. A decode step computes only the active slots (running; not paused, finished or free),
 padded with idle ones up to the smallest row count that holds them: 8, 16, 32, ... slots. In an
@@ -77,6 +86,11 @@ class RunnerConfig:
     mesh           a one-axis "data" mesh of D devices (mesh.data_mesh), or None for one device
     decode_rows    the row counts a decode step runs at (one compiled shape each, for every
                    width; the slot count is always one); on a mesh, every slot, always
+    prefill_beside a prefill that fits one call of the smallest row count, chunks of at most
+                   this many tokens (padded to it), runs in the decode step's call when there
+                   is one (decode.decode_prefill_step: one pass over the weights for both);
+                   None (the default): always a call of its own. Each decode shape compiles
+                   a second time with those rows beside it ("Shapes" above). Not on a mesh
     """
     prefill_rows: tuple = (4, 16)
     prefill_positions: int = 1024
@@ -86,6 +100,7 @@ class RunnerConfig:
     per_layer: bool | None = None
     mesh: object = None
     decode_rows: tuple = (8, 16, 32, 64, 128, 256)
+    prefill_beside: int | None = None
 
 
 def unstack_layers(params):
@@ -123,6 +138,9 @@ class Runner:
             raise ValueError(f"prefill_positions={rc.prefill_positions!r}: an integer >= 1")
         if not all(integer(r) and r >= 1 for r in rc.decode_rows):
             raise ValueError(f"decode_rows={rc.decode_rows!r}: row counts, integers >= 1")
+        if rc.prefill_beside is not None and (not integer(rc.prefill_beside)
+                                              or rc.prefill_beside < 1):
+            raise ValueError(f"prefill_beside={rc.prefill_beside!r}: an integer >= 1, or None")
         if rc.attention not in ("gather", "pallas"):
             raise ValueError(f"attention={rc.attention!r}: 'gather' or 'pallas'")
         if rc.attention == "pallas":
@@ -144,6 +162,9 @@ class Runner:
         # More prefill rows than slots would all be padding; no chunk is longer than max_len.
         self.prefill_rows = sorted({min(r, slots // D) for r in rc.prefill_rows})
         self.prefill_positions = rc.prefill_positions
+        # the length prefill rows beside a decode step are padded to; None: never (or on a mesh)
+        self.beside = None if D > 1 or rc.prefill_beside is None else min(rc.prefill_beside,
+                                                                          max_len)
         self.buckets = sorted({min(b, max_len) for b in rc.buckets})
         idle = [R for R in self.prefill_rows if not any(self.serves(R, T) for T in self.buckets)]
         if idle:
@@ -192,16 +213,7 @@ class Runner:
             raise ValueError(f"a prefill call of {R} rows with chunks of {T} tokens: not a shape "
                              f"of this runner (prefill_size picks one)")
         W = self.width(max(start + len(tokens) for tokens, start, _ in rows.values()))
-        tokens_BxT = np.zeros((n_rows, T), np.int32)
-        table_BxW = np.full((n_rows, W), NULL_PAGE, np.int32)
-        # padding rows: n_new 0
-        start_B, n_new_B = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
-        for b, (tokens, start, pages) in rows.items():
-            tokens_BxT[b, :len(tokens)] = tokens
-            start_B[b], n_new_B[b] = start, len(tokens)
-            table_BxW[b, :min(len(pages), W)] = pages[:W]
-        logits_BxV, self.kv = self._run(decode.prefill_step, tokens_BxT, start_B, n_new_B,
-                                        table_BxW)
+        logits_BxV, self.kv = self._run(decode.prefill_step, *_prefill_rows(rows, n_rows, T, W))
         return logits_BxV
 
     def sample(self, logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0,
@@ -222,17 +234,37 @@ class Runner:
         idle = np.flatnonzero(~np.asarray(active_B, bool))[:R - len(active)]
         return np.sort(np.concatenate([active, idle]))
 
-    def decode(self, slots, temperature=0.0, top_k=0, allowed_BxV=None):
+    def fits_beside(self, lengths):
+        """Whether prefill chunks of these lengths (a device's, shortest first) go in the decode
+        step's call (RunnerConfig.prefill_beside)."""
+        return (self.beside is not None and len(lengths) <= self.prefill_rows[0]
+                and lengths[-1] <= self.beside)
+
+    def decode(self, slots, temperature=0.0, top_k=0, allowed_BxV=None, beside=None):
         """One decode step for every active slot -> (the Slots one token later, on the host;
-        logits_RxV on the device; rows_R: the slot of each row of the logits)."""
+        logits_RxV on the device; rows_R: the slot of each row of the logits; the logits of
+        `beside`'s rows, or None).
+
+        beside: a prefill's rows {b: (tokens, start, pages)} (as prefill takes them, fits_beside)
+        pushed in the same call."""
         # + 1: the pending token's position is written too
-        W = self.width(int(slots.lengths_B[slots.active_B].max(initial=0)) + 1)
+        reach = int(slots.lengths_B[slots.active_B].max(initial=0)) + 1
+        if beside:
+            reach = max(reach, *(start + len(tokens) for tokens, start, _ in beside.values()))
+        W = self.width(reach)
         rows_R = self.step_rows(slots.active_B)
         part = _rows_of(slots, rows_R, W)
         allowed_RxV = None if allowed_BxV is None else allowed_BxV[rows_R]
-        later, logits_RxV, self.kv = self._run(decode.decode_step, part, temperature, top_k,
-                                               allowed_RxV, self.attention)
-        return _put_rows(slots, rows_R, later), logits_RxV, rows_R
+        beside_logits = None
+        if beside:
+            prefill = _prefill_rows(beside, self.prefill_rows[0], self.beside, W)
+            later, logits_RxV, beside_logits, self.kv = self._run(
+                decode.decode_prefill_step, part, *prefill, temperature, top_k, allowed_RxV,
+                self.attention)
+        else:
+            later, logits_RxV, self.kv = self._run(decode.decode_step, part, temperature, top_k,
+                                                   allowed_RxV, self.attention)
+        return _put_rows(slots, rows_R, later), logits_RxV, rows_R, beside_logits
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
         """Up to n decode steps in one call (decode.decode_steps) -> (the Slots after, tokens_NxB
@@ -276,6 +308,10 @@ class Runner:
                 for allowed in [None] + ([np.ones((R, V), bool)] if masked else []):
                     _, _, self.kv = self._run(decode.decode_step, idle, temperature, top_k,
                                               allowed, self.attention)
+                    if self.beside:
+                        prefill = _prefill_rows({}, self.prefill_rows[0], self.beside, W)
+                        *_, self.kv = self._run(decode.decode_prefill_step, idle, *prefill,
+                                                temperature, top_k, allowed, self.attention)
             for n in steps:            # one slot running: the smallest row count
                 R = self.rows[0]
                 _, _, self.kv = self._run(decode.decode_steps, decode.Slots.idle(R, W),
@@ -292,6 +328,19 @@ class Runner:
             out = ON_MESH[step](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before
         return out
+
+
+def _prefill_rows(rows, n_rows, T, W):
+    """A prefill's rows {b: (tokens, start, pages)} as the arrays extend takes (host arrays):
+    tokens_BxT, start_B, n_new_B, page_table_BxW; rows not given are padding (n_new 0)."""
+    tokens_BxT = np.zeros((n_rows, T), np.int32)
+    table_BxW = np.full((n_rows, W), NULL_PAGE, np.int32)
+    start_B, n_new_B = np.zeros(n_rows, np.int32), np.zeros(n_rows, np.int32)
+    for b, (tokens, start, pages) in rows.items():
+        tokens_BxT[b, :len(tokens)] = tokens
+        start_B[b], n_new_B[b] = start, len(tokens)
+        table_BxW[b, :min(len(pages), W)] = pages[:W]
+    return tokens_BxT, start_B, n_new_B, table_BxW
 
 
 def _rows_of(slots, rows_R, W):

@@ -168,17 +168,20 @@ def test_cache_false_rereads_everything():
 
 
 @pytest.mark.slow
-def test_no_recompilation_after_warmup():
-    """200 sequences of prompt lengths 1..100 and varied limits: nothing compiles after warmup()."""
+def test_no_recompilation_after_warmup(monkeypatch):
+    """200 sequences of prompt lengths 1..100 and varied limits, short prompts prefilled beside the decode
+    step: nothing compiles after warmup()."""
     rng = np.random.RandomState(0)
     batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, stop_tokens=[0],
                   runner=RunnerConfig(prefill_rows=(2, 8), prefill_positions=128, buckets=(16, 64, 128),
-                                      decode_rows=(2,)))
+                                      decode_rows=(2,), prefill_beside=16))
     batch.warmup()
     warm = batch.compiles
+    beside, real = [], decode.decode_prefill_step
+    monkeypatch.setattr(decode, "decode_prefill_step", lambda *a: beside.append(1) or real(*a))
     # a prefill per (rows 2, bucket, width) and (rows 8, bucket 16, width), a sample per prefill row count,
-    # a decode per (rows 2 or 8, width 1, ..., 32)
-    assert warm <= 3 * 6 + 6 + 2 + 2 * 6
+    # a decode per (rows 2 or 8, width 1, ..., 32), and one with a prefill beside it per (rows, width)
+    assert warm <= 3 * 6 + 6 + 2 + 2 * 6 + 2 * 6
     for _ in range(200):
         batch.add(list(rng.randint(1, V, rng.randint(1, 101))), int(rng.randint(1, 25)))
     steps = 0
@@ -189,7 +192,7 @@ def test_no_recompilation_after_warmup():
             if batch.seqs[i].status in ("stopped", "length"):
                 batch.finish(i)
     assert batch.compiles == warm, f"{batch.compiles - warm} recompilations after warm-up"
-    assert batch.pool.n_free == 8 * 32 and steps > 100
+    assert batch.pool.n_free == 8 * 32 and steps > 100 and len(beside) > 10
 
 
 @pytest.mark.slow
@@ -284,6 +287,43 @@ def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
     for i in every:
         assert packed[i][0] == every[i][0]
         np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
+
+
+def test_a_prefill_beside_the_decode_step_changes_no_token(monkeypatch):
+    """A resume's few tokens go through the model in the decode step's call while other sequences
+    decode (RunnerConfig.prefill_beside): the same tokens and logits as a prefill call
+    of their own (prefill_beside=None), in fewer model calls; a prefill with nothing to decode
+    beside it, or too long, still has its own call."""
+    calls = []
+    for name in ("prefill_step", "decode_step", "decode_prefill_step"):
+        def step(*args, real=getattr(decode, name), name=name, **kw):
+            calls.append(name)
+            return real(*args, **kw)
+        monkeypatch.setattr(decode, name, step)
+
+    def play(beside):
+        batch = Batch(PARAMS, CFG, slots=6, n_pages=80, page_size=4, max_len=48, pause_tokens=[5],
+                      keep_logits=True, runner=RunnerConfig(prefill_rows=(2, 4), prefill_beside=beside))
+        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + 5 * i)], 3 + 3 * i, seed=i)
+               for i in range(6)]
+        for _ in range(3):                          # resume what paused or ran out, at different times
+            while batch.running():
+                batch.step()
+                for i in ids:
+                    if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
+                        batch.send(i, batch.seqs[i].tokens + [7, 8, 9][:1 + i % 3], 4)
+        return {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
+
+    alone = play(beside=None)
+    n_alone = len(calls)
+    assert "decode_prefill_step" not in calls
+    del calls[:]
+    together = play(beside=4)
+    assert calls.count("decode_prefill_step") >= 3 and "prefill_step" in calls, calls
+    assert len(calls) < n_alone
+    for i in alone:
+        assert together[i][0] == alone[i][0]
+        np.testing.assert_allclose(together[i][1], alone[i][1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minagent import decode, model
+from minagent import decode, model, runner
 from minagent.batch import Batch
 from minagent.runner import RunnerConfig
 from minagent.cache import PagePool, init_cache, pages_for
@@ -336,3 +336,37 @@ def test_a_non_finite_value_of_one_sequence_reaches_no_other(attention):
     assert 5 not in batch.seqs[b].tokens and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert all(bool(jnp.isfinite(batch.runner.kv[n]).all()) for n in ("k", "v"))
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer):
+    """decode_prefill_step pushes a decode step's rows and a prefill's rows through the model in one
+    call (extend_groups): the same logits, sampled tokens and cache as prefill_step then decode_step,
+    with a paused slot, a padding row of the prefill, and the rows on pages of their own."""
+    params, cfg = tiny(seed=4)
+    if per_layer:
+        params = runner.unstack_layers(params)
+    Z, W = 4, 5
+    rng = np.random.RandomState(3)
+    cache = init_cache(cfg, 1 + 6 * W, Z)
+    table_6xW = np.arange(1, 1 + 6 * W, dtype=np.int32).reshape(6, W)      # slots 0-2, prefill rows 3-5
+    lengths_6 = np.array([9, 4, 13, 7, 0, 11], np.int32)                    # what each row holds already
+    prompt_6xT = rng.randint(0, cfg.vocab_size, (6, 16)).astype(np.int32)
+    _, cache = extend(params, cfg, cache, prompt_6xT, np.zeros(6, np.int32), lengths_6, table_6xW)
+    slots = decode.Slots(rng.randint(0, cfg.vocab_size, 3).astype(np.int32), lengths_6[:3],
+                         np.array([True, False, True]), np.arange(3, dtype=np.int32), table_6xW[:3])
+    chunk_3xT = rng.randint(0, cfg.vocab_size, (3, 8)).astype(np.int32)
+    prefill = (chunk_3xT, lengths_6[3:], np.array([5, 8, 0], np.int32), table_6xW[3:])   # row 5: padding
+
+    copy = functools.partial(jax.tree.map, jnp.copy)
+    step = jax.jit(decode.decode_prefill_step.__wrapped__, static_argnums=1)   # a compile of its own
+    want_RxV, two = decode.prefill_step(params, cfg, copy(cache), *prefill)
+    want_later, want_BxV, two = decode.decode_step(params, cfg, two, slots)
+    later, logits_BxV, logits_RxV, one = step(params, cfg, copy(cache), slots, *prefill)
+    np.testing.assert_allclose(logits_BxV, want_BxV, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits_RxV[:2], want_RxV[:2], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(later.tokens_B, want_later.tokens_B)
+    np.testing.assert_array_equal(later.lengths_B, [10, 4, 14])
+    for name in ("k", "v"):                           # every page but the null page, which padding writes
+        np.testing.assert_allclose(one[name][:, :, 1:], two[name][:, :, 1:], atol=1e-5, rtol=0)
+        assert not np.array_equal(one[name][:, :, 1:], cache[name][:, :, 1:])   # and they did write

@@ -57,8 +57,8 @@ def test_code_lines_count_code_only():
 
 def test_the_engine_stays_small_enough_to_read():
     """Lines of code (docstrings, comments and blank lines not counted): the engine (every module
-    directly in minagent/) at most 2,140, the reader's path through it (README, "Reading order") at
-    most 1,050. Set from the code of 2026-12-02 once wrapped at 100 columns (1,998 and 993), with
+    directly in minagent/) at most 2,210, the reader's path through it (README, "Reading order") at
+    most 1,100. Set from the code of 2026-12-02 once wrapped at 100 columns (1,998 and 993), with
     room for a few more checks; the engine's raised from 2,100 on 2026-12-05 for int8's one-row
     product (two lines, off the reader's path, that halve a decode step at batch 1 on CPUs without
     VNNI), and to 2,120 on 2026-12-06 for an episode's stretch in one call (decode_steps as a
@@ -69,10 +69,14 @@ def test_the_engine_stays_small_enough_to_read():
     on a CPU with AVX512_BF16), and to 2,140 on 2026-12-06 for int8 with bfloat16 beside (int8.py's
     7 lines, off the reader's path: a sequence alone reads the bfloat16 copies in its prefill calls
     and the int8 values in its decode steps; 64 episodes one at a time on such a CPU, 18.4-18.9 s
-    -> 15.8 s). A clear sentence never counts against them."""
+    -> 15.8 s). Both raised on 2026-12-07, to 2,210 and 1,100, for a prefill beside the decode step
+    (71 lines, 47 on the path: extend for several groups of rows in one call, the step that uses it,
+    the Batch leaving a few short chunks to the decode step, the Runner's shapes): one pass over
+    the weights where there were two, 42 prefill calls -> 22 for 64 episodes of SmolLM2, the
+    batch's first measured step toward its 3x. A clear sentence never counts against them."""
     path = ["tokenizer", "model", "cache", "decode", "batch", "agent"]
-    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2140
-    assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1050
+    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2210
+    assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1100
 
 
 def test_the_readmes_line_counts_are_the_codes():
