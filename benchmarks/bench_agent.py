@@ -168,6 +168,10 @@ def parse_args(argv=None):
                    help="minagent's matrices in bfloat16 (bf16.matrices) against llama.cpp's bf16, or "
                         "--gguf-type (transformers is left out); with --int8: int8 for one row, bfloat16 "
                         "beside for more (int8.quantize(params, bf16=True))")
+    p.add_argument("--beside", type=int, default=None, metavar="N",
+                   help="minagent batched: a prefill of chunks of up to N tokens runs in the decode step's call "
+                        "(RunnerConfig.prefill_beside); its warm-up then runs the episodes once, as every shape "
+                        "of its batch would not fit one process's memory mappings (runner.py, \"Shapes\")")
     p.add_argument("--train-steps", type=int, default=None,
                    help="train the adapter this many steps instead of 03's (its own checkpoint): to try the path")
     p.add_argument("--no-ref", action="store_true", help="minagent's loops alone: no torch, no llama.cpp")
@@ -464,15 +468,16 @@ def episode(status, answer, calls, tokens, positions):
 
 # ---------------------------------------------------------------- minagent's loops
 
-def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
+def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=None):
     """-> run(missions) -> (episodes, clock): agent.run with `slots` slots, every mission in one batch
     (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes:
     compile every shape the Batch's steps can use now (Batch.warmup), so that nothing compiles while
-    timed; else the first run compiles what it uses.
+    timed; else the first run compiles what it uses. beside: RunnerConfig.prefill_beside.
 
     Instrumented from the outside: batch.step (the model's step and the Batch's host work around
     it), the jitted prefill and decode calls inside it, and each tool call."""
-    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS) if slots == 1 else RunnerConfig()
+    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS, prefill_beside=beside) if slots == 1 else \
+        RunnerConfig(prefill_beside=beside)
     batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len, runner=shapes)
     t0 = time.perf_counter()
     if compile_shapes:       # and the stretch in one call of an episode alone in the loop (Loop.step)
@@ -481,11 +486,13 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
     def run(ms):
         clock = Clock()
         real = {"prefill_step": decode.prefill_step, "decode_step": decode.decode_step,     # decode's own,
-                "sample_step": decode.sample_step, "decode_steps": decode.decode_steps}    # put back after
+                "sample_step": decode.sample_step, "decode_steps": decode.decode_steps,    # put back after
+                "decode_prefill_step": decode.decode_prefill_step}
         batch.step, batch.steps = clock.wrap("batch.step", batch.step), clock.wrap("batch.step", batch.steps)
         prefill_jit = clock.wrap("jit", real["prefill_step"], blocking=True)
         decode_jit = clock.wrap("jit", real["decode_step"], blocking=True)
         steps_jit = clock.wrap("jit", real["decode_steps"], blocking=True)
+        both_jit = clock.wrap("jit", real["decode_prefill_step"], blocking=True)
 
         def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW):
             t0 = time.perf_counter()
@@ -515,7 +522,15 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True):
             # counted as its n_steps decode steps: "calls" are steps, each reading every weight once
             clock.model_call("decode", time.perf_counter() - t0, rows, tokens, rows, tokens, calls=n_steps)
             return out
+        def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args):
+            t0 = time.perf_counter()
+            out = both_jit(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args)
+            B, active, n_new_R = len(slots.active_B), int(np.asarray(slots.active_B).sum()), np.asarray(n_new_R)
+            clock.model_call("decode+prefill", time.perf_counter() - t0, B + len(n_new_R),
+                             active + int((n_new_R > 0).sum()), B + tokens_RxT.size, active + int(n_new_R.sum()))
+            return out
         decode.prefill_step, decode.decode_step, decode.decode_steps = prefill_step, decode_step, decode_steps
+        decode.decode_prefill_step = decode_prefill_step
         decode.sample_step = clock.wrap("jit", real["sample_step"], blocking=True)    # a prefill's next tokens
         try:
             boxes = toolboxes(ms, clock)
@@ -682,7 +697,9 @@ def worker(plan_path, out_path):
         t0 = time.perf_counter()
         run = make_loop(name, params, cfg, tok, threads, plan, shared)
         minagent = name.startswith("minagent")
-        warm_ms = ms if plan["warmup"] == "run" else [] if minagent else ms[:1]
+        # a minagent loop that compiled nothing yet (--beside) warms up on the episodes, as --quick does
+        warm_ms = ms if plan["warmup"] == "run" or (minagent and run.compile_s is None) else \
+            [] if minagent else ms[:1]
         if warm_ms:
             run(warm_ms)
         res = {"warmup_s": time.perf_counter() - t0}
@@ -775,7 +792,9 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
             params = shared.setdefault("int8", int8.quantize(params, bf16=plan.get("bf16", False)))
         elif plan.get("bf16"):
             params = shared.setdefault("bf16", bf16.matrices(params))
-        return minagent_loop(params, cfg, tok, slots, plan["max_len"], compile_shapes=plan["warmup"] == "shapes")
+        beside = plan.get("beside") if name == "minagent batched" else None
+        return minagent_loop(params, cfg, tok, slots, plan["max_len"], beside=beside,
+                             compile_shapes=plan["warmup"] == "shapes" and not beside)
     if name.startswith("transformers"):
         import torch
         torch.set_num_threads(threads)
@@ -908,7 +927,8 @@ def report(runs, n, ref_threads):
         for name, f in loops.items():
             parts = ", ".join(f"{k} {v:.2f} ({v / f['seconds']:.0%})" for k, v in f["time_split"].items())
             print(f"{threads:>7} {name:<22} {parts}")
-    print("\nthe model's calls in the timed run: decode (one new token a row), prefill (more: prompts, results);"
+    print("\nthe model's calls in the timed run: decode (one new token a row), prefill (more: prompts, results),"
+          "\ndecode+prefill (a decode step with a prefill's rows beside it, one call: RunnerConfig.prefill_beside);"
           "\nrows / positions: the share of the rows / token positions computed that held a sequence / a token;"
           "\nGB/s: weight bytes x decode calls / their seconds (a decode call at batch 1 reads every weight once),"
           "\nagainst the probe (a jitted matrix-vector product reading 512 MiB, the same threads, in the loop's process)")
@@ -916,7 +936,7 @@ def report(runs, n, ref_threads):
         for name, f in loops.items():
             probe = f.get("bandwidth") or runs[threads].get("bandwidth")
             parts = []
-            for kind in ("decode", "prefill"):
+            for kind in ("decode", "prefill", "decode+prefill"):
                 c = f["model_calls"].get(kind)
                 if c:
                     parts.append(f"{kind} {c['calls']} calls {c['seconds']:.1f} s ({1e3 * c['seconds'] / c['calls']:.1f} ms "
@@ -991,7 +1011,7 @@ def main(argv=None):
         checks = logit_checks(params, cfg, tok, ms, gguf_path, loops)
         plan = {"params": str(tmp / "params.npz"), "gguf": str(gguf_path), "loops": loops, "seed": args.seed,
                 "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes",
-                "int8": args.int8, "bf16": args.bf16}
+                "int8": args.int8, "bf16": args.bf16, "beside": args.beside}
         runs = {threads: run_worker(plan, threads, tmp) for threads in args.threads}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1025,7 +1045,7 @@ def main(argv=None):
                            "weights": weights_used,
                            "episodes": args.episodes, "families": FAMILIES, "seed": args.seed, "split": "test",
                            "max_len": args.max_len, "max_calls": agent.MAX_CALLS, "max_stretch": agent.MAX_STRETCH,
-                           "right_answers": right, "calls_per_episode": float(np.mean(calls))},
+                           "prefill_beside": args.beside, "right_answers": right, "calls_per_episode": float(np.mean(calls))},
               "weights": about, "skipped": skipped, "logit_checks": checks,
               "versions": {t: r["versions"] for t, r in runs.items()}, "runs": table,
               "read_bandwidth": {t: r.get("bandwidth") for t, r in runs.items()},
