@@ -289,6 +289,7 @@ def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
         np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow            # the fast suite checks the step itself (test_decode.py)
 def test_a_prefill_beside_the_decode_step_changes_no_token(monkeypatch):
     """A resume's few tokens go through the model in the decode step's call while other sequences
     decode (RunnerConfig.prefill_beside): the same tokens and logits as a prefill call

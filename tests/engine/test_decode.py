@@ -338,7 +338,7 @@ def test_a_non_finite_value_of_one_sequence_reaches_no_other(attention):
     assert all(bool(jnp.isfinite(batch.runner.kv[n]).all()) for n in ("k", "v"))
 
 
-@pytest.mark.parametrize("per_layer", [True, False])
+@pytest.mark.parametrize("per_layer", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer):
     """decode_prefill_step pushes a decode step's rows and a prefill's rows through the model in one
     call (extend_groups): the same logits, sampled tokens and cache as prefill_step then decode_step,
