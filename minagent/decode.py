@@ -93,8 +93,9 @@ def extend_groups(params, cfg, cache, groups, attentions):
     layer that treat each token alone (norms, projections, the MLP: the products, which read
     every weight once a call however many tokens they take) run once on every group's tokens,
     one after another in a single axis; attention runs group by group, each row over its own
-    pages. The same numbers as a call per group (the rows never meet), one pass over the
-    weights instead of one a group.
+    pages. The same numbers as a call per group up to rounding (the rows never meet: a product's
+    sums may be blocked differently for more rows), one pass over the weights instead of one a
+    group.
     """
     sizes = [tokens_BxT.shape for tokens_BxT, *_ in groups]      # (B, T) of each group
     for (B, T), attention in zip(sizes, attentions):
