@@ -253,7 +253,7 @@ class Batch:
             raise ValueError(f"n={n!r}: the steps a call, an integer >= 1")
         running, first, _ = self._start()
         if not running or any(s.mask is not None for s in running) or self.keep_logits:
-            out = self._decode(running) if running else {}
+            out = self._decode(running, {}) if running else {}
             self._seat_all(first)
             return {i: [t] for i, t in {**first, **out}.items()}
         left_B = np.zeros(self.slots, np.int32)                  # tokens each may still sample
@@ -407,7 +407,7 @@ class Batch:
         state.page_table_BxW[b] = NULL_PAGE
         state.page_table_BxW[b, :len(seq.pages)] = seq.pages
 
-    def _decode(self, running, beside={}):
+    def _decode(self, running, beside):
         """One decode step for the running sequences, and the prefill `beside` it (_prefill) in
         the same call -> {id: token} of both."""
         allowed_BxV = None      # no mask: the plain step (a None argument compiles without it)
