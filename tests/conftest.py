@@ -7,9 +7,11 @@ tests/engine/ tests the engine (minagent/*.py), tests/tasks/ the applications
 import os
 
 # CPU by default. The tests' models are tiny, so compiling dominates their time: XLA's backend
-# optimisations are turned off (a third less time, the same numbers to the tests' tolerances).
+# optimisations are turned off (a third less time, the same numbers to the tests' tolerances), and
+# XLA:CPU's fusion emitters (MLIR) too, for its older, quicker code generation (a loop batch's
+# twenty shapes: 3.6 s against 5.8-6.7 s, AMD EPYC Zen 4, experiments/LOG.md, 2026-12-07).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
 
 import jax  # noqa: E402
