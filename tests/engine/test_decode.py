@@ -338,15 +338,20 @@ def test_a_non_finite_value_of_one_sequence_reaches_no_other(attention):
     assert all(bool(jnp.isfinite(batch.runner.kv[n]).all()) for n in ("k", "v"))
 
 
-@pytest.mark.parametrize("per_layer", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer):
+@pytest.mark.parametrize("per_layer, attention", [(True, "gather"),
+                                                   pytest.param(False, "gather", marks=pytest.mark.slow),
+                                                   pytest.param(True, "pallas", marks=pytest.mark.slow)])
+def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer, attention):
     """decode_prefill_step pushes a decode step's rows and a prefill's rows through the model in one
     call (extend_groups): the same logits, sampled tokens and cache as prefill_step then decode_step,
-    with a paused slot, a padding row of the prefill, and the rows on pages of their own."""
-    params, cfg = tiny(seed=4)
+    with a paused slot, a padding row of the prefill, and the rows on pages of their own. With
+    attention="pallas" the decode rows read their pages with the Pallas kernel, the prefill's rows
+    with the gather path, in the same call."""
+    pallas = attention == "pallas"
+    params, cfg = tiny(seed=4, d_model=64 if pallas else 32)    # Pallas: head_dim 16, pages of 16
     if per_layer:
         params = runner.unstack_layers(params)
-    Z, W = 4, 5
+    Z, W = (16, 2) if pallas else (4, 5)
     rng = np.random.RandomState(3)
     cache = init_cache(cfg, 1 + 6 * W, Z)
     table_6xW = np.arange(1, 1 + 6 * W, dtype=np.int32).reshape(6, W)      # slots 0-2, prefill rows 3-5
@@ -359,10 +364,11 @@ def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer):
     prefill = (chunk_3xT, lengths_6[3:], np.array([5, 8, 0], np.int32), table_6xW[3:])   # row 5: padding
 
     copy = functools.partial(jax.tree.map, jnp.copy)
-    step = jax.jit(decode.decode_prefill_step.__wrapped__, static_argnums=1)   # a compile of its own
+    step = jax.jit(decode.decode_prefill_step.__wrapped__,                     # a compile of its own
+                   static_argnames=("cfg", "temperature", "top_k", "attention"))
     want_RxV, two = decode.prefill_step(params, cfg, copy(cache), *prefill)
-    want_later, want_BxV, two = decode.decode_step(params, cfg, two, slots)
-    later, logits_BxV, logits_RxV, one = step(params, cfg, copy(cache), slots, *prefill)
+    want_later, want_BxV, two = decode.decode_step(params, cfg, two, slots, attention=attention)
+    later, logits_BxV, logits_RxV, one = step(params, cfg, copy(cache), slots, *prefill, attention=attention)
     np.testing.assert_allclose(logits_BxV, want_BxV, atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits_RxV[:2], want_RxV[:2], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(later.tokens_B, want_later.tokens_B)
@@ -370,3 +376,7 @@ def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer):
     for name in ("k", "v"):                           # every page but the null page, which padding writes
         np.testing.assert_allclose(one[name][:, :, 1:], two[name][:, :, 1:], atol=1e-5, rtol=0)
         assert not np.array_equal(one[name][:, :, 1:], cache[name][:, :, 1:])   # and they did write
+    if pallas:                  # and the kernel's rows are the gather path's (to the kernel's tolerance)
+        _, gather_BxV, _ = decode.decode_step(params, cfg, decode.prefill_step(params, cfg, copy(cache),
+                                                                               *prefill)[1], slots)
+        np.testing.assert_allclose(logits_BxV, gather_BxV, atol=2e-5, rtol=0)
