@@ -172,6 +172,10 @@ def parse_args(argv=None):
                    help="minagent batched: a prefill of chunks of up to N tokens runs in the decode step's call "
                         "(RunnerConfig.prefill_beside); its warm-up then runs the episodes once, as every shape "
                         "of its batch would not fit one process's memory mappings (runner.py, \"Shapes\")")
+    p.add_argument("--prefill-rows", type=int, nargs="+", default=None, metavar="R",
+                   help="minagent batched: these prefill row counts (RunnerConfig.prefill_rows, default 4 16); "
+                        "warmed up by a run of the episodes, as with --beside. With --beside the beside rows "
+                        "are the smallest: 2 4 8 16 pads a prefill beside the step to 2 rows, not 4")
     p.add_argument("--train-steps", type=int, default=None,
                    help="train the adapter this many steps instead of 03's (its own checkpoint): to try the path")
     p.add_argument("--no-ref", action="store_true", help="minagent's loops alone: no torch, no llama.cpp")
@@ -468,16 +472,18 @@ def episode(status, answer, calls, tokens, positions):
 
 # ---------------------------------------------------------------- minagent's loops
 
-def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=None):
+def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=None, prefill_rows=None):
     """-> run(missions) -> (episodes, clock): agent.run with `slots` slots, every mission in one batch
     (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes:
     compile every shape the Batch's steps can use now (Batch.warmup), so that nothing compiles while
-    timed; else the first run compiles what it uses. beside: RunnerConfig.prefill_beside.
+    timed; else the first run compiles what it uses. beside: RunnerConfig.prefill_beside;
+    prefill_rows: RunnerConfig.prefill_rows (None: its default).
 
     Instrumented from the outside: batch.step (the model's step and the Batch's host work around
     it), the jitted prefill and decode calls inside it, and each tool call."""
-    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS, prefill_beside=beside) if slots == 1 else \
-        RunnerConfig(prefill_beside=beside)
+    rows = {} if prefill_rows is None else {"prefill_rows": tuple(prefill_rows)}
+    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS, prefill_beside=beside, **rows) if slots == 1 else \
+        RunnerConfig(prefill_beside=beside, **rows)
     batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len, runner=shapes)
     t0 = time.perf_counter()
     if compile_shapes:       # and the stretch in one call of an episode alone in the loop (Loop.step)
@@ -697,7 +703,8 @@ def worker(plan_path, out_path):
         t0 = time.perf_counter()
         run = make_loop(name, params, cfg, tok, threads, plan, shared)
         minagent = name.startswith("minagent")
-        # a minagent loop that compiled nothing yet (--beside) warms up on the episodes, as --quick does
+        # a minagent loop that compiled nothing yet (--beside, --prefill-rows) warms up on the episodes, as
+        # --quick does
         warm_ms = ms if plan["warmup"] == "run" or (minagent and run.compile_s is None) else \
             [] if minagent else ms[:1]
         if warm_ms:
@@ -792,9 +799,10 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
             params = shared.setdefault("int8", int8.quantize(params, bf16=plan.get("bf16", False)))
         elif plan.get("bf16"):
             params = shared.setdefault("bf16", bf16.matrices(params))
-        beside = plan.get("beside") if name == "minagent batched" else None
-        return minagent_loop(params, cfg, tok, slots, plan["max_len"], beside=beside,
-                             compile_shapes=plan["warmup"] == "shapes" and not beside)
+        batched = name == "minagent batched"
+        beside, rows = (plan.get("beside"), plan.get("prefill_rows")) if batched else (None, None)
+        return minagent_loop(params, cfg, tok, slots, plan["max_len"], beside=beside, prefill_rows=rows,
+                             compile_shapes=plan["warmup"] == "shapes" and not (beside or rows))
     if name.startswith("transformers"):
         import torch
         torch.set_num_threads(threads)
@@ -1011,7 +1019,8 @@ def main(argv=None):
         checks = logit_checks(params, cfg, tok, ms, gguf_path, loops)
         plan = {"params": str(tmp / "params.npz"), "gguf": str(gguf_path), "loops": loops, "seed": args.seed,
                 "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes",
-                "int8": args.int8, "bf16": args.bf16, "beside": args.beside}
+                "int8": args.int8, "bf16": args.bf16, "beside": args.beside,
+                "prefill_rows": args.prefill_rows}
         runs = {threads: run_worker(plan, threads, tmp) for threads in args.threads}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1045,7 +1054,8 @@ def main(argv=None):
                            "weights": weights_used,
                            "episodes": args.episodes, "families": FAMILIES, "seed": args.seed, "split": "test",
                            "max_len": args.max_len, "max_calls": agent.MAX_CALLS, "max_stretch": agent.MAX_STRETCH,
-                           "prefill_beside": args.beside, "right_answers": right, "calls_per_episode": float(np.mean(calls))},
+                           "prefill_beside": args.beside, "prefill_rows": args.prefill_rows,
+                           "right_answers": right, "calls_per_episode": float(np.mean(calls))},
               "weights": about, "skipped": skipped, "logit_checks": checks,
               "versions": {t: r["versions"] for t, r in runs.items()}, "runs": table,
               "read_bandwidth": {t: r.get("bandwidth") for t, r in runs.items()},
