@@ -183,6 +183,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help=f"the JSON file (default {RESULTS.relative_to(ROOT)})")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # internal: the plan of one process
     args = p.parse_args(argv)
+    if args.prefill_rows is not None and min(args.prefill_rows) < 1:
+        p.error(f"--prefill-rows {' '.join(map(str, args.prefill_rows))}: row counts of at least 1")
     if args.quick:
         args.episodes = min(args.episodes, 4)
     if args.threads is None:
