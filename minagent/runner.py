@@ -37,12 +37,13 @@ chunks padded to prefill_beside: the weights are read once for both (64 episodes
 2 cores: 42 prefill calls -> 22). Each decode shape compiles a second time with those rows
 beside it, which is why it is off by default: see the memory mappings below.
 
-Every shape is one more compiled step, and on CPU one more thousand or so memory mappings
-(SmolLM2's step with its 30 layers unrolled, per_layer: 976; stacked: 137), where Linux allows a
-process 65,530 by default. A 64-slot SmolLM2 batch's warm-up compiles 94 shapes (113 with a row
-count of 64 as well reached 57,442 mappings), and a second batch warmed up in the same process
-can run LLVM out of them (an abort, "Cannot allocate memory"). So can one such batch with a
-prefill beside the decode step: 24 more shapes of about 720 mappings each (a decode step's: 520).
+Every shape is one more compiled step, and on CPU several hundred to a thousand more memory
+mappings (SmolLM2's float32 decode step with its 30 layers unrolled, per_layer: 976; stacked: 137;
+in int8 with bfloat16 beside, per_layer: 520), where Linux allows a process 65,530 by default.
+A 64-slot SmolLM2 batch's warm-up compiles 94 shapes (113 with a row count of 64 as well reached
+57,442 mappings), and a second batch warmed up in the same process can run LLVM out of them (an
+abort, "Cannot allocate memory"). So can one such batch with a prefill beside the decode step:
+24 more shapes of about 720 mappings each (int8 with bfloat16 beside; a decode step's: 520).
 Fewer buckets or row counts, per_layer=False (5 % slower decode steps at 8 to 64 rows), a process
 per batch, or compiling shapes as they come (no warm-up) keep under it.
 
