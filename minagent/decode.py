@@ -84,7 +84,7 @@ def extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, att
     return logits_BxV, cache
 
 
-def extend_groups(params, cfg, cache, groups, attentions):
+def extend_groups(params, cfg, cache, groups, attentions, packed=None):
     """extend for several groups of rows in one call -> ([logits_BxV of each group], the cache).
 
     groups: (tokens_BxT, start_B, n_new_B, page_table_BxW) each, every group its own B, T and W;
@@ -96,6 +96,13 @@ def extend_groups(params, cfg, cache, groups, attentions):
     pages. The same numbers as a call per group up to rounding (the rows never meet: a product's
     sums may be blocked differently for more rows), one pass over the weights instead of one a
     group.
+
+    packed: None, or J >= the number of real tokens (the n_new's summed over every row): the
+    per-token parts take only the real tokens, packed into J positions (the rest padding that
+    writes to the null page), instead of all M = the sum of B * T, most of whose padding
+    positions (each row's chunk padded to T, idle rows) would cost the products as much as a
+    real token. Attention still reads the rows as B x T: each layer's queries go back to that
+    layout and their results come out of it (a gather, J x D numbers, not a product).
     """
     sizes = [tokens_BxT.shape for tokens_BxT, *_ in groups]      # (B, T) of each group
     for (B, T), attention in zip(sizes, attentions):
@@ -113,27 +120,39 @@ def extend_groups(params, cfg, cache, groups, attentions):
         return [a.reshape(B, T, *a.shape[1:]) for a, (B, T) in zip(parts, sizes)]
 
     places = [_place(cache["k"].shape[3], *group) for group in groups]
-    positions_1xM, page_1xM, offset_1xM = (join([place[name] for place in places])
+    # The positions the per-token parts take: all M, in order (J = M), or packed (J = packed):
+    # the real ones first, in order, then a padding one repeated.
+    M = sum(B * T for B, T in sizes)
+    if packed is None or packed >= M:
+        pack = unpack = lambda a: a
+    else:
+        is_new_M = join([place["is_new_BxT"] for place in places])[0]
+        take_J = jnp.nonzero(is_new_M, size=packed, fill_value=jnp.argmin(is_new_M))[0]
+        def pack(a_1xMx_):
+            return a_1xMx_[:, take_J]
+        def unpack(a_1xJx_):    # -> [1, M, ...], the B x T layout; padding positions hold 0s
+            return jnp.zeros((1, M, *a_1xJx_.shape[2:]), a_1xJx_.dtype).at[:, take_J].set(a_1xJx_)
+    positions_1xJ, page_1xJ, offset_1xJ = (pack(join([place[name] for place in places]))
                                            for name in ("positions_BxT", "page_BxT", "offset_BxT"))
 
     def layer(carry, lp_and_l):
-        x_1xMxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
+        x_1xJxD, k_LxKxPxZxH, v_LxKxPxZxH = carry
         lp, l = lp_and_l
-        q_1xMxNxH, k_1xMxKxH, v_1xMxKxH = model.qkv(lp, cfg, x_1xMxD, positions_1xM)
+        q_1xJxNxH, k_1xJxKxH, v_1xJxKxH = model.qkv(lp, cfg, x_1xJxD, positions_1xJ)
         # Write first, then read the row's pages back: the chunk attends to itself through the
         # cache. The cache is carried from layer to layer, so XLA updates it in place (no
         # per-layer copies). `at`: layer l, every kv head, each new token's page and offset.
         # (NumPy's rule: index arrays split by a slice put their dims first, so the target is
-        # [1, M, K, H].)
+        # [1, J, K, H].)
         # A non-finite key or value is written as 0: a row that overflows keeps its NaN in its own
         # logits (the residual stream carries it), and no other row can read it from a page it gets
         # later, nor from the null page; Pallas attention relies on that (paged_attention).
-        k_1xMxKxH, v_1xMxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_1xMxKxH, v_1xMxKxH))
-        at = (l, slice(None), page_1xM, offset_1xM)
-        k_LxKxPxZxH = k_LxKxPxZxH.at[at].set(k_1xMxKxH.astype(k_LxKxPxZxH.dtype))
-        v_LxKxPxZxH = v_LxKxPxZxH.at[at].set(v_1xMxKxH.astype(v_LxKxPxZxH.dtype))
+        k_1xJxKxH, v_1xJxKxH = (jnp.where(jnp.isfinite(a), a, 0) for a in (k_1xJxKxH, v_1xJxKxH))
+        at = (l, slice(None), page_1xJ, offset_1xJ)
+        k_LxKxPxZxH = k_LxKxPxZxH.at[at].set(k_1xJxKxH.astype(k_LxKxPxZxH.dtype))
+        v_LxKxPxZxH = v_LxKxPxZxH.at[at].set(v_1xJxKxH.astype(v_LxKxPxZxH.dtype))
         attn = []
-        for q_BxTxNxH, place, attention in zip(split(q_1xMxNxH), places, attentions):
+        for q_BxTxNxH, place, attention in zip(split(unpack(q_1xJxNxH)), places, attentions):
             table_BxW = place["page_table_BxW"]
             if attention == "pallas":
                 attn_BxTxNH = paged_attention(q_BxTxNxH[:, 0], k_LxKxPxZxH, v_LxKxPxZxH, l,
@@ -146,20 +165,20 @@ def extend_groups(params, cfg, cache, groups, attentions):
                                            place["mask_BxTxS"])
             attn.append(attn_BxTxNH.reshape(*q_BxTxNxH.shape[:2], -1))
         # back to the residual stream's dtype (the cache's may be wider)
-        attn_1xMxNH = join(attn).astype(x_1xMxD.dtype)
-        return (model.finish_layer(lp, cfg, x_1xMxD, attn_1xMxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
+        attn_1xJxNH = pack(join(attn)).astype(x_1xJxD.dtype)
+        return (model.finish_layer(lp, cfg, x_1xJxD, attn_1xJxNH), k_LxKxPxZxH, v_LxKxPxZxH), None
 
-    carry = (join([model.embed(params, tokens_BxT) for tokens_BxT, *_ in groups]), cache["k"],
-             cache["v"])
+    tokens_1xJ = pack(join([tokens_BxT for tokens_BxT, *_ in groups]))
+    carry = (model.embed(params, tokens_1xJ), cache["k"], cache["v"])
     if isinstance(params["layers"], list):     # runner.unstack_layers: layer by layer, in place
         for l, lp in enumerate(params["layers"]):
             carry, _ = layer(carry, (lp, l))
     else:                                       # stacked [L, ...] weights: a scan over the layers
         carry, _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(cfg.n_layers)))
-    x_1xMxD, k, v = carry
+    x_1xJxD, k, v = carry
     # Each row's last new token, every group's rows together: one pass over the output head.
     lasts = [jnp.take_along_axis(x_BxTxD, jnp.maximum(place["n_new_B"] - 1, 0)[:, None, None], 1)
-             for x_BxTxD, place in zip(split(x_1xMxD), places)]
+             for x_BxTxD, place in zip(split(unpack(x_1xJxD)), places)]
     logits_RxV = model.unembed(params, cfg, jnp.concatenate(lasts, axis=0))[:, 0]
     return jnp.split(logits_RxV, np.cumsum([B for B, _ in sizes])[:-1]), {"k": k, "v": v}
 
@@ -186,7 +205,8 @@ def _place(Z, tokens_BxT, start_B, n_new_B, page_table_BxW):
     key_pos_S = jnp.arange(S)
     holds_BxS = key_pos_S < length_B[:, None]
     mask_BxTxS = (key_pos_S <= positions_BxT[:, :, None]) & holds_BxS[:, None, :]
-    return dict(positions_BxT=positions_BxT, page_BxT=page_BxT, offset_BxT=positions_BxT % Z,
+    return dict(positions_BxT=positions_BxT, is_new_BxT=is_new_BxT, page_BxT=page_BxT,
+                offset_BxT=positions_BxT % Z,
                 page_table_BxW=page_table_BxW, n_new_B=n_new_B, length_B=length_B,
                 holds_BxS=holds_BxS, mask_BxTxS=mask_BxTxS)
 
@@ -291,14 +311,17 @@ def mask_logits(logits_BxV, allowed_BxV):
     return jnp.where(allowed_BxV, logits_BxV, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW):
+@functools.partial(jax.jit, static_argnames=("cfg", "packed"), donate_argnames=("cache",))
+def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW, packed=None):
     """extend over B rows of T tokens -> (logits_BxV of each row's last new token, the updated
     cache). The Batch samples a sequence's next token from these logits (sample_step) when the
     row held the last of its pending tokens, rather than pushing that token through a decode
-    step of its own: one model call fewer for every prompt and every tool result."""
-    TRACES["prefill", tokens_BxT.shape, page_table_BxW.shape] += 1
-    return extend(params, cfg, cache, tokens_BxT, start_B, n_new_B, page_table_BxW)
+    step of its own: one model call fewer for every prompt and every tool result. packed: the
+    products' positions (extend_groups), None for all B x T."""
+    TRACES["prefill", tokens_BxT.shape, page_table_BxW.shape, packed] += 1
+    group = (tokens_BxT, start_B, n_new_B, page_table_BxW)
+    (logits_BxV,), cache = extend_groups(params, cfg, cache, [group], ["gather"], packed)
+    return logits_BxV, cache
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_k"))
@@ -311,10 +334,10 @@ def sample_step(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0, allo
     return sample(masked_BxV, seeds_B, positions_B, temperature, top_k)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention", "packed"),
                    donate_argnames=("cache",))
 def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV=None,
-                attention="gather"):
+                attention="gather", packed=None):
     """Push each active slot's pending token and sample the next -> (slots one token later,
     logits_BxV, cache).
 
@@ -322,18 +345,20 @@ def decode_step(params, cfg, cache, slots, temperature=0.0, top_k=0, allowed_BxV
     at position lengths_B + 1; the other slots are as they were. allowed_BxV
     (bool, optional) limits what each row may sample: a sequence's token mask
     (Batch.add's `mask`); None compiles the step without it. The returned logits
-    are the model's, unmasked. attention: "gather" or "pallas" (extend).
+    are the model's, unmasked. attention: "gather" or "pallas" (extend). packed: the products'
+    positions (extend_groups), None for every slot's.
     """
-    TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None] += 1
+    TRACES["decode", slots.page_table_BxW.shape, allowed_BxV is None, packed] += 1
     later, logits_BxV, _, cache = _decode(params, cfg, cache, slots, temperature, top_k,
-                                          allowed_BxV, attention, [])
+                                          allowed_BxV, attention, [], packed)
     return later, logits_BxV, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention"),
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_k", "attention", "packed"),
                    donate_argnames=("cache",))
 def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, page_table_RxW,
-                        temperature=0.0, top_k=0, allowed_BxV=None, attention="gather"):
+                        temperature=0.0, top_k=0, allowed_BxV=None, attention="gather",
+                        packed=None):
     """A decode step and a prefill of R rows beside it, in one pass over the weights ->
     (slots one token later, logits_BxV, logits_RxV of each prefill row's last new token, cache).
 
@@ -342,22 +367,23 @@ def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R,
     time while the other episodes decode, each a prefill of a dozen tokens, and a prefill call
     of a few rows costs about what a decode step does, most of it reading the weights (SmolLM2
     on 2 cores of an AMD EPYC Zen 4: a decode step of 32 rows and a prefill of 4 x 12 tokens,
-    138 ms as two calls, 118 ms as one)."""
+    138 ms as two calls, 118 ms as one). packed: the products' positions (extend_groups)."""
     TRACES["decode+prefill", slots.page_table_BxW.shape, tokens_RxT.shape,
-           allowed_BxV is None] += 1
+           allowed_BxV is None, packed] += 1
     later, logits_BxV, (logits_RxV,), cache = _decode(
         params, cfg, cache, slots, temperature, top_k, allowed_BxV, attention,
-        [(tokens_RxT, start_R, n_new_R, page_table_RxW)])
+        [(tokens_RxT, start_R, n_new_R, page_table_RxW)], packed)
     return later, logits_BxV, logits_RxV, cache
 
 
-def _decode(params, cfg, cache, slots, temperature, top_k, allowed_BxV, attention, beside):
+def _decode(params, cfg, cache, slots, temperature, top_k, allowed_BxV, attention, beside,
+            packed=None):
     """decode_step's work, with `beside` (prefill groups) pushed in the same call -> (later,
     logits_BxV, [each beside group's logits], cache)."""
     n_new_B = slots.active_B.astype(jnp.int32)
     step = (slots.tokens_B[:, None], slots.lengths_B, n_new_B, slots.page_table_BxW)
     (logits_BxV, *beside_logits), cache = extend_groups(
-        params, cfg, cache, [step, *beside], [attention] + ["gather"] * len(beside))
+        params, cfg, cache, [step, *beside], [attention] + ["gather"] * len(beside), packed)
     masked_BxV = logits_BxV if allowed_BxV is None else mask_logits(logits_BxV, allowed_BxV)
     next_B = sample(masked_BxV, slots.seeds_B, slots.lengths_B + 1, temperature, top_k)
     later = dataclasses.replace(slots, tokens_B=jnp.where(slots.active_B, next_B, slots.tokens_B),

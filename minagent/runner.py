@@ -53,6 +53,14 @@ agent's batch half the slots can be waiting for a tool or done while the others 
 episodes of SmolLM2: 43 % of the slot-steps held a sequence), and an idle row costs a decode
 step as much as a busy one. Each row count is one more shape to compile, for every width.
 
+Packed calls (RunnerConfig.packed, off by default). Buckets and row counts keep the shapes
+few, and the padding they add costs the products as much as real tokens: a fifth of the
+positions of 64 SmolLM2 episodes. Packed, a call's products take only its real tokens, their
+count rounded up to 4, 5, 6 or 7 times a power of two (decode.extend_groups' packed); attention
+still reads each row as B x T. Those counts are known only when a call is made, so the shapes
+compile as a run meets them, and warmup refuses (64 episodes, int8 with bfloat16 beside, a
+prefill beside the step, 2 cores of a Zen 4: 7.0-7.8 s -> 6.4-6.8 s, the same episodes).
+
 On a mesh (mesh.py) device d holds its block of slots and its own n_pages pages: page ids
 are global (device d's: d * P to d * P + P - 1, the first its null page), and each device
 reads them as its own, id % P, so jax.shard_map runs the one-device step on each block.
@@ -92,6 +100,11 @@ class RunnerConfig:
                    is one (decode.decode_prefill_step: one pass over the weights for both);
                    None (the default): always a call of its own. Each decode shape compiles
                    a second time with those rows beside it ("Shapes" above). Not on a mesh
+    packed         a call's products take only its real tokens (decode.extend_groups' packed), their
+                   count rounded up to 4, 5, 6 or 7 times a power of two (at most a quarter more),
+                   not every row's chunk padded to its bucket and every idle row. One compiled
+                   shape for each such count a call meets: warmup refuses (compile by running).
+                   Not on a mesh
     """
     prefill_rows: tuple = (4, 16)
     prefill_positions: int = 1024
@@ -102,6 +115,7 @@ class RunnerConfig:
     mesh: object = None
     decode_rows: tuple = (8, 16, 32, 64, 128, 256)
     prefill_beside: int | None = None
+    packed: bool = False
 
 
 def unstack_layers(params):
@@ -175,6 +189,7 @@ class Runner:
         self.widths = sorted({min(2 ** i, W) for i in range(W.bit_length() + 1)})
         # On a mesh each device steps its own block of slots: all of them, always.
         self.rows = [slots] if D > 1 else sorted({r for r in rc.decode_rows if r < slots} | {slots})
+        self.pack = rc.packed and D == 1
         self.compiles = 0                          # traces of the jitted steps this runner caused
 
     def width(self, n_positions):
@@ -190,6 +205,12 @@ class Runner:
     def serves(self, R, T):
         """Whether a prefill call of R rows a device runs chunks of bucket T (a compiled shape)."""
         return R == self.prefill_rows[0] or R * T <= self.prefill_positions
+
+    def packed(self, n_real, M):
+        """extend_groups' packed for a call of n_real real tokens in M positions: the products'
+        positions, or None (all M: packing off, or it would take no fewer)."""
+        J = next((j for j in PACKED if j >= n_real), M) if self.pack else M
+        return J if J < M else None
 
     def prefill_size(self, waiting):
         """Rows a device for the next prefill call: waiting[d], the lengths of device d's waiting
@@ -214,7 +235,10 @@ class Runner:
             raise ValueError(f"a prefill call of {R} rows with chunks of {T} tokens: not a shape "
                              f"of this runner (prefill_size picks one)")
         W = self.width(max(start + len(tokens) for tokens, start, _ in rows.values()))
-        logits_BxV, self.kv = self._run(decode.prefill_step, *_prefill_rows(rows, n_rows, T, W))
+        args = _prefill_rows(rows, n_rows, T, W)
+        J = self.packed(int(args[2].sum()), n_rows * T)
+        logits_BxV, self.kv = self._run(decode.prefill_step, *args,
+                                        **({} if J is None else {"packed": J}))
         return logits_BxV
 
     def sample(self, logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0,
@@ -257,14 +281,19 @@ class Runner:
         part = _rows_of(slots, rows_R, W)
         allowed_RxV = None if allowed_BxV is None else allowed_BxV[rows_R]
         beside_logits = None
+        n_real, M = int(part.active_B.sum()), len(rows_R)
         if beside:
             prefill = _prefill_rows(beside, self.prefill_rows[0], self.beside, W)
+            n_real, M = n_real + int(prefill[2].sum()), M + prefill[0].size
+        J = self.packed(n_real, M)
+        packed = {} if J is None else {"packed": J}
+        if beside:
             later, logits_RxV, beside_logits, self.kv = self._run(
                 decode.decode_prefill_step, part, *prefill, temperature, top_k, allowed_RxV,
-                self.attention)
+                self.attention, **packed)
         else:
             later, logits_RxV, self.kv = self._run(decode.decode_step, part, temperature, top_k,
-                                                   allowed_RxV, self.attention)
+                                                   allowed_RxV, self.attention, **packed)
         return _put_rows(slots, rows_R, later), logits_RxV, rows_R, beside_logits
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
@@ -288,8 +317,13 @@ class Runner:
         sequence. Sampling from a prefill's logits compiles too, on logits placed as a prefill
         leaves them. masked=True also compiles the steps that sample with a token mask.
         steps: each n also compiles decode_n(n) for one running slot, at every width (the agent
-        loop's episode alone: its stretch in one call).
+        loop's episode alone: its stretch in one call). Not with RunnerConfig.packed: its shapes
+        are the calls' counts of real tokens, which a run meets (a few) and a warm-up would have
+        to try (all).
         """
+        if self.pack:
+            raise ValueError("warmup with RunnerConfig(packed=True): its shapes are each call's "
+                             "count of real tokens; compile them by running the batch instead")
         V = self.cfg.vocab_size
         for R in self.prefill_rows:
             n_rows = R * self.n_devices
@@ -319,16 +353,20 @@ class Runner:
                                           np.zeros(R, np.int32), np.zeros(V, bool), n,
                                           temperature, top_k, self.attention)
 
-    def _run(self, step, *args):
+    def _run(self, step, *args, **packed):
         """Call a step of decode.py on this runner's weights and cache (over the mesh if there
         is one)."""
         before = sum(decode.TRACES.values())
         if self.mesh is None:
-            out = step(self.params, self.cfg, self.kv, *args)
+            out = step(self.params, self.cfg, self.kv, *args, **packed)
         else:
             out = ON_MESH[step](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before
         return out
+
+
+# extend_groups' packed counts: 4, 5, 6 and 7 times a power of two (Runner.packed)
+PACKED = sorted(a << k for k in range(20) for a in (4, 5, 6, 7))
 
 
 def _prefill_rows(rows, n_rows, T, W):

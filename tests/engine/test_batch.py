@@ -563,3 +563,53 @@ def test_the_module_docstrings_example_runs():
             sends += 1
     assert sends == 3 and batch.seqs[i].status is Status.FINISHED and batch.pool.n_used == 0
     assert batch.seqs[i].tokens[:2] == [1, 2] and len(batch.seqs[i].tokens) == 2 + 3 * 4 + 1
+
+
+@pytest.mark.slow            # the fast suite checks the step itself (test_decode.py)
+def test_packed_calls_change_no_token(monkeypatch):
+    """RunnerConfig(packed=True): each call's products take only its real tokens (a prefill's
+    chunks without their padding, a decode step without its idle rows), rounded up to a packed
+    count: the same tokens and logits as the calls over every position, with pauses, resumes and
+    prefills beside the decode step; fewer positions through the products; warmup refuses."""
+    took = []                               # (real tokens, positions packed, all positions) a call
+    for name in ("prefill_step", "decode_step", "decode_prefill_step"):
+        def step(*args, real=getattr(decode, name), name=name, **kw):
+            if name == "prefill_step":
+                n_real, M = int(np.sum(args[5])), args[3].size
+            else:
+                slots = args[3]
+                n_real, M = int(np.sum(slots.active_B)), len(slots.active_B)
+                if name == "decode_prefill_step":
+                    n_real, M = n_real + int(np.sum(args[6])), M + args[4].size
+            took.append((n_real, kw.get("packed", M), M))
+            return real(*args, **kw)
+        monkeypatch.setattr(decode, name, step)
+
+    def play(packed):
+        batch = Batch(PARAMS, CFG, slots=6, n_pages=80, page_size=4, max_len=48, temperature=1.0,
+                      pause_tokens=[5], keep_logits=True,
+                      runner=RunnerConfig(prefill_rows=(2, 4), decode_rows=(4,), prefill_beside=4,
+                                          packed=packed))
+        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + 5 * i)], 3 + 3 * i, seed=i)
+               for i in range(6)]
+        for _ in range(3):                          # resume what paused or ran out, at different times
+            while batch.running():
+                batch.step()
+                for i in ids:
+                    if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
+                        batch.send(i, batch.seqs[i].tokens + [7, 8, 9][:1 + i % 3], 4)
+        return batch, {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
+
+    _, every = play(packed=False)
+    assert sum(J < M for _, J, M in took) == 0
+    all_positions = sum(M for *_, M in took)
+    del took[:]
+    batch, packed = play(packed=True)
+    assert all(n_real <= J <= M for n_real, J, M in took), took
+    assert sum(J < M for _, J, M in took) >= 5, took             # packed: fewer positions
+    assert sum(J for _, J, _ in took) < 0.8 * all_positions, (took, all_positions)
+    for i in every:
+        assert packed[i][0] == every[i][0]
+        np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="packed"):
+        batch.warmup()

@@ -346,7 +346,8 @@ def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer, attentio
     call (extend_groups): the same logits, sampled tokens and cache as prefill_step then decode_step,
     with a paused slot, a padding row of the prefill, and the rows on pages of their own. With
     attention="pallas" the decode rows read their pages with the Pallas kernel, the prefill's rows
-    with the gather path, in the same call."""
+    with the gather path, in the same call. Packed (extend_groups' packed: the products take the
+    15 real tokens of the 27 positions, in 15 or 20), the same again."""
     pallas = attention == "pallas"
     params, cfg = tiny(seed=4, d_model=64 if pallas else 32)    # Pallas: head_dim 16, pages of 16
     if per_layer:
@@ -365,17 +366,20 @@ def test_a_prefill_beside_a_decode_step_equals_the_two_calls(per_layer, attentio
 
     copy = functools.partial(jax.tree.map, jnp.copy)
     step = jax.jit(decode.decode_prefill_step.__wrapped__,                     # a compile of its own
-                   static_argnames=("cfg", "temperature", "top_k", "attention"))
+                   static_argnames=("cfg", "temperature", "top_k", "attention", "packed"))
     want_RxV, two = decode.prefill_step(params, cfg, copy(cache), *prefill)
     want_later, want_BxV, two = decode.decode_step(params, cfg, two, slots, attention=attention)
-    later, logits_BxV, logits_RxV, one = step(params, cfg, copy(cache), slots, *prefill, attention=attention)
-    np.testing.assert_allclose(logits_BxV, want_BxV, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(logits_RxV[:2], want_RxV[:2], atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(later.tokens_B, want_later.tokens_B)
-    np.testing.assert_array_equal(later.lengths_B, [10, 4, 14])
-    for name in ("k", "v"):                           # every page but the null page, which padding writes
-        np.testing.assert_allclose(one[name][:, :, 1:], two[name][:, :, 1:], atol=1e-5, rtol=0)
-        assert not np.array_equal(one[name][:, :, 1:], cache[name][:, :, 1:])   # and they did write
+    for packed in (None, 15, 20) if not pallas else (None,):
+        later, logits_BxV, logits_RxV, one = step(params, cfg, copy(cache), slots, *prefill,
+                                                  attention=attention, packed=packed)
+        rows = slice(None) if packed is None else np.array([0, 2])   # packed: none for the paused slot
+        np.testing.assert_allclose(logits_BxV[rows], want_BxV[rows], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(logits_RxV[:2], want_RxV[:2], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(later.tokens_B[rows], want_later.tokens_B[rows])
+        np.testing.assert_array_equal(later.lengths_B, [10, 4, 14])
+        for name in ("k", "v"):                       # every page but the null page, which padding writes
+            np.testing.assert_allclose(one[name][:, :, 1:], two[name][:, :, 1:], atol=1e-5, rtol=0)
+            assert not np.array_equal(one[name][:, :, 1:], cache[name][:, :, 1:])   # and they did write
     if pallas:                  # and the kernel's rows are the gather path's (to the kernel's tolerance)
         _, gather_BxV, _ = decode.decode_step(params, cfg, decode.prefill_step(params, cfg, copy(cache),
                                                                                *prefill)[1], slots)
