@@ -176,6 +176,9 @@ def parse_args(argv=None):
                    help="minagent batched: these prefill row counts (RunnerConfig.prefill_rows, default 4 16); "
                         "warmed up by a run of the episodes, as with --beside. With --beside the beside rows "
                         "are the smallest: 2 4 8 16 pads a prefill beside the step to 2 rows, not 4")
+    p.add_argument("--packed", action="store_true",
+                   help="minagent batched: each call's products take only its real tokens (RunnerConfig.packed); "
+                        "warmed up by a run of the episodes, as with --beside")
     p.add_argument("--train-steps", type=int, default=None,
                    help="train the adapter this many steps instead of 03's (its own checkpoint): to try the path")
     p.add_argument("--no-ref", action="store_true", help="minagent's loops alone: no torch, no llama.cpp")
@@ -474,18 +477,20 @@ def episode(status, answer, calls, tokens, positions):
 
 # ---------------------------------------------------------------- minagent's loops
 
-def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=None, prefill_rows=None):
+def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=None, prefill_rows=None,
+                  packed=False):
     """-> run(missions) -> (episodes, clock): agent.run with `slots` slots, every mission in one batch
     (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes:
     compile every shape the Batch's steps can use now (Batch.warmup), so that nothing compiles while
     timed; else the first run compiles what it uses. beside: RunnerConfig.prefill_beside;
-    prefill_rows: RunnerConfig.prefill_rows (None: its default).
+    prefill_rows: RunnerConfig.prefill_rows (None: its default); packed: RunnerConfig.packed (a
+    call's positions are then those its products took).
 
     Instrumented from the outside: batch.step (the model's step and the Batch's host work around
     it), the jitted prefill and decode calls inside it, and each tool call."""
     rows = {} if prefill_rows is None else {"prefill_rows": tuple(prefill_rows)}
-    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS, prefill_beside=beside, **rows) if slots == 1 else \
-        RunnerConfig(prefill_beside=beside, **rows)
+    shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS, prefill_beside=beside, packed=packed, **rows) \
+        if slots == 1 else RunnerConfig(prefill_beside=beside, packed=packed, **rows)
     batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len, runner=shapes)
     t0 = time.perf_counter()
     if compile_shapes:       # and the stretch in one call of an episode alone in the loop (Loop.step)
@@ -502,20 +507,20 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=
         steps_jit = clock.wrap("jit", real["decode_steps"], blocking=True)
         both_jit = clock.wrap("jit", real["decode_prefill_step"], blocking=True)
 
-        def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW):
+        def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW, **packed):
             t0 = time.perf_counter()
-            out = prefill_jit(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW)
+            out = prefill_jit(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW, **packed)
             n_new_B = np.asarray(n_new_B)
             clock.model_call("prefill", time.perf_counter() - t0, len(n_new_B), int((n_new_B > 0).sum()),
-                             tokens_BxT.size, int(n_new_B.sum()))
+                             packed.get("packed", tokens_BxT.size), int(n_new_B.sum()))
             return out
 
-        def decode_step(params, cfg, cache, slots, *args):
+        def decode_step(params, cfg, cache, slots, *args, **packed):
             t0 = time.perf_counter()
-            out = decode_jit(params, cfg, cache, slots, *args)
+            out = decode_jit(params, cfg, cache, slots, *args, **packed)
             active = int(np.asarray(slots.active_B).sum())
-            clock.model_call("decode", time.perf_counter() - t0, len(slots.active_B), active, len(slots.active_B),
-                             active)
+            clock.model_call("decode", time.perf_counter() - t0, len(slots.active_B), active,
+                             packed.get("packed", len(slots.active_B)), active)
             return out
         def decode_steps(params, cfg, cache, slots, *args):     # an episode alone: its stretch in one call
             t0 = time.perf_counter()
@@ -530,12 +535,14 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=
             # counted as its n_steps decode steps: "calls" are steps, each reading every weight once
             clock.model_call("decode", time.perf_counter() - t0, rows, tokens, rows, tokens, calls=n_steps)
             return out
-        def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args):
+        def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args,
+                                **packed):
             t0 = time.perf_counter()
-            out = both_jit(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args)
+            out = both_jit(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args, **packed)
             B, active, n_new_R = len(slots.active_B), int(np.asarray(slots.active_B).sum()), np.asarray(n_new_R)
             clock.model_call("decode+prefill", time.perf_counter() - t0, B + len(n_new_R),
-                             active + int((n_new_R > 0).sum()), B + tokens_RxT.size, active + int(n_new_R.sum()))
+                             active + int((n_new_R > 0).sum()), packed.get("packed", B + tokens_RxT.size),
+                             active + int(n_new_R.sum()))
             return out
         decode.prefill_step, decode.decode_step, decode.decode_steps = prefill_step, decode_step, decode_steps
         decode.decode_prefill_step = decode_prefill_step
@@ -705,7 +712,7 @@ def worker(plan_path, out_path):
         t0 = time.perf_counter()
         run = make_loop(name, params, cfg, tok, threads, plan, shared)
         minagent = name.startswith("minagent")
-        # a minagent loop that compiled nothing yet (--beside, --prefill-rows) warms up on the episodes, as
+        # a minagent loop that compiled nothing yet (--beside, --prefill-rows, --packed) warms up on the episodes, as
         # --quick does
         warm_ms = ms if plan["warmup"] == "run" or (minagent and run.compile_s is None) else \
             [] if minagent else ms[:1]
@@ -803,8 +810,9 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
             params = shared.setdefault("bf16", bf16.matrices(params))
         batched = name == "minagent batched"
         beside, rows = (plan.get("beside"), plan.get("prefill_rows")) if batched else (None, None)
+        packed = batched and plan.get("packed", False)
         return minagent_loop(params, cfg, tok, slots, plan["max_len"], beside=beside, prefill_rows=rows,
-                             compile_shapes=plan["warmup"] == "shapes" and not (beside or rows))
+                             packed=packed, compile_shapes=plan["warmup"] == "shapes" and not (beside or rows or packed))
     if name.startswith("transformers"):
         import torch
         torch.set_num_threads(threads)
@@ -1022,7 +1030,7 @@ def main(argv=None):
         plan = {"params": str(tmp / "params.npz"), "gguf": str(gguf_path), "loops": loops, "seed": args.seed,
                 "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes",
                 "int8": args.int8, "bf16": args.bf16, "beside": args.beside,
-                "prefill_rows": args.prefill_rows}
+                "prefill_rows": args.prefill_rows, "packed": args.packed}
         runs = {threads: run_worker(plan, threads, tmp) for threads in args.threads}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1056,7 +1064,7 @@ def main(argv=None):
                            "weights": weights_used,
                            "episodes": args.episodes, "families": FAMILIES, "seed": args.seed, "split": "test",
                            "max_len": args.max_len, "max_calls": agent.MAX_CALLS, "max_stretch": agent.MAX_STRETCH,
-                           "prefill_beside": args.beside, "prefill_rows": args.prefill_rows,
+                           "prefill_beside": args.beside, "prefill_rows": args.prefill_rows, "packed": args.packed,
                            "right_answers": right, "calls_per_episode": float(np.mean(calls))},
               "weights": about, "skipped": skipped, "logit_checks": checks,
               "versions": {t: r["versions"] for t, r in runs.items()}, "runs": table,
