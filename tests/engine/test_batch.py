@@ -289,6 +289,24 @@ def test_a_decode_step_computes_the_active_rows_only(monkeypatch):
         np.testing.assert_allclose(packed[i][1], every[i][1], atol=1e-5, rtol=0)
 
 
+def play_with_resumes(runner, temperature=0.0):
+    """Six sequences of different lengths on a batch with `runner` (a RunnerConfig), each
+    resumed with 1 to 3 more tokens whenever it pauses on token 5 or runs out, three rounds, so
+    that prefills and decode steps meet at different times -> (the batch, {id: (tokens, the
+    logits of each token sampled)})."""
+    batch = Batch(PARAMS, CFG, slots=6, n_pages=80, page_size=4, max_len=48, pause_tokens=[5],
+                  temperature=temperature, keep_logits=True, runner=runner)
+    ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + 5 * i)], 3 + 3 * i, seed=i)
+           for i in range(6)]
+    for _ in range(3):                          # resume what paused or ran out, at different times
+        while batch.running():
+            batch.step()
+            for i in ids:
+                if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
+                    batch.send(i, batch.seqs[i].tokens + [7, 8, 9][:1 + i % 3], 4)
+    return batch, {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
+
+
 @pytest.mark.slow            # the fast suite checks the step itself (test_decode.py)
 def test_a_prefill_beside_the_decode_step_changes_no_token(monkeypatch):
     """A resume's few tokens go through the model in the decode step's call while other sequences
@@ -302,24 +320,11 @@ def test_a_prefill_beside_the_decode_step_changes_no_token(monkeypatch):
             return real(*args, **kw)
         monkeypatch.setattr(decode, name, step)
 
-    def play(beside):
-        batch = Batch(PARAMS, CFG, slots=6, n_pages=80, page_size=4, max_len=48, pause_tokens=[5],
-                      keep_logits=True, runner=RunnerConfig(prefill_rows=(2, 4), prefill_beside=beside))
-        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + 5 * i)], 3 + 3 * i, seed=i)
-               for i in range(6)]
-        for _ in range(3):                          # resume what paused or ran out, at different times
-            while batch.running():
-                batch.step()
-                for i in ids:
-                    if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
-                        batch.send(i, batch.seqs[i].tokens + [7, 8, 9][:1 + i % 3], 4)
-        return {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
-
-    alone = play(beside=None)
+    _, alone = play_with_resumes(RunnerConfig(prefill_rows=(2, 4), prefill_beside=None))
     n_alone = len(calls)
     assert "decode_prefill_step" not in calls
     del calls[:]
-    together = play(beside=4)
+    _, together = play_with_resumes(RunnerConfig(prefill_rows=(2, 4), prefill_beside=4))
     assert calls.count("decode_prefill_step") >= 3 and "prefill_step" in calls, calls
     assert len(calls) < n_alone
     for i in alone:
@@ -586,19 +591,8 @@ def test_packed_calls_change_no_token(monkeypatch):
         monkeypatch.setattr(decode, name, step)
 
     def play(packed):
-        batch = Batch(PARAMS, CFG, slots=6, n_pages=80, page_size=4, max_len=48, temperature=1.0,
-                      pause_tokens=[5], keep_logits=True,
-                      runner=RunnerConfig(prefill_rows=(2, 4), decode_rows=(4,), prefill_beside=4,
-                                          packed=packed))
-        ids = [batch.add([1 + (3 * i + j) % (V - 1) for j in range(2 + 5 * i)], 3 + 3 * i, seed=i)
-               for i in range(6)]
-        for _ in range(3):                          # resume what paused or ran out, at different times
-            while batch.running():
-                batch.step()
-                for i in ids:
-                    if batch.seqs[i].status in ("paused", "length") and len(batch.seqs[i].tokens) < 36:
-                        batch.send(i, batch.seqs[i].tokens + [7, 8, 9][:1 + i % 3], 4)
-        return batch, {i: (batch.seqs[i].tokens, np.stack(batch.seqs[i].logits)) for i in ids}
+        return play_with_resumes(RunnerConfig(prefill_rows=(2, 4), decode_rows=(4,),
+                                              prefill_beside=4, packed=packed), temperature=1.0)
 
     _, every = play(packed=False)
     assert sum(J < M for _, J, M in took) == 0
