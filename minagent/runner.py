@@ -236,9 +236,8 @@ class Runner:
                              f"of this runner (prefill_size picks one)")
         W = self.width(max(start + len(tokens) for tokens, start, _ in rows.values()))
         args = _prefill_rows(rows, n_rows, T, W)
-        J = self.packed(int(args[2].sum()), n_rows * T)
         logits_BxV, self.kv = self._run(decode.prefill_step, *args,
-                                        **({} if J is None else {"packed": J}))
+                                        packed=self.packed(int(args[2].sum()), n_rows * T))
         return logits_BxV
 
     def sample(self, logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0,
@@ -286,14 +285,13 @@ class Runner:
             prefill = _prefill_rows(beside, self.prefill_rows[0], self.beside, W)
             n_real, M = n_real + int(prefill[2].sum()), M + prefill[0].size
         J = self.packed(n_real, M)
-        packed = {} if J is None else {"packed": J}
         if beside:
             later, logits_RxV, beside_logits, self.kv = self._run(
                 decode.decode_prefill_step, part, *prefill, temperature, top_k, allowed_RxV,
-                self.attention, **packed)
+                self.attention, packed=J)
         else:
             later, logits_RxV, self.kv = self._run(decode.decode_step, part, temperature, top_k,
-                                                   allowed_RxV, self.attention, **packed)
+                                                   allowed_RxV, self.attention, packed=J)
         return _put_rows(slots, rows_R, later), logits_RxV, rows_R, beside_logits
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
@@ -353,12 +351,14 @@ class Runner:
                                           np.zeros(R, np.int32), np.zeros(V, bool), n,
                                           temperature, top_k, self.attention)
 
-    def _run(self, step, *args, **packed):
+    def _run(self, step, *args, packed=None):
         """Call a step of decode.py on this runner's weights and cache (over the mesh if there
-        is one)."""
+        is one). packed (Runner.packed) goes to the step only when it packs: unpacked, the step
+        is called as it always was."""
         before = sum(decode.TRACES.values())
         if self.mesh is None:
-            out = step(self.params, self.cfg, self.kv, *args, **packed)
+            out = step(self.params, self.cfg, self.kv, *args,
+                       **({} if packed is None else {"packed": packed}))
         else:
             out = ON_MESH[step](self.mesh, self.params, self.cfg, self.kv, *args)
         self.compiles += sum(decode.TRACES.values()) - before

@@ -74,7 +74,7 @@ def test_the_engine_stays_small_enough_to_read():
     the Batch leaving a few short chunks to the decode step, the Runner's shapes): one pass over
     the weights where there were two, 42 prefill calls -> 22 for 64 episodes of SmolLM2, the
     batch's first measured step toward its 3x. Both raised on 2026-12-07 later, to 2,240 and
-    1,115, for packed calls (32 lines, 15 on the path: extend_groups gathering a call's real
+    1,115, for packed calls (31 lines, 15 on the path: extend_groups gathering a call's real
     tokens before the per-token parts and scattering the queries back for attention, the steps'
     static argument, the Runner's counts): a fifth of a 64-episode batch's positions were
     padding, and the batch alone ran 7.0-7.8 s -> 6.4-6.8 s with them. A clear sentence never
