@@ -292,7 +292,7 @@ def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
     """
     check_sampling(temperature, top_k)
     if temperature == 0:
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        return argmax(logits_BxV)
     logits_BxV = logits_BxV.astype(jnp.float32) / temperature
     if top_k:
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
@@ -300,6 +300,18 @@ def sample(logits_BxV, seeds_B, positions_B, temperature=0.0, top_k=0):
     root, fold = jax.random.PRNGKey(0), jax.random.fold_in
     keys_B = jax.vmap(lambda s, p: fold(fold(root, s), p))(seeds_B, positions_B)
     return jax.vmap(jax.random.categorical)(keys_B, logits_BxV).astype(jnp.int32)
+
+
+def argmax(logits_BxV):
+    """jnp.argmax along the last axis (the first largest value; the first NaN if a row has one),
+    as two plain reductions: the largest value, then the first index that holds it. XLA on CPU
+    runs argmax's own reduction, of (value, index) pairs, one element at a time; these two it
+    runs on vectors (a greedy token for 64 rows of SmolLM2's 49,154 logits, 2 cores of an AMD
+    EPYC Zen 4: 7.2 -> 2.8 ms)."""
+    top_Bx1 = logits_BxV.max(axis=-1, keepdims=True)              # NaN if the row has one
+    hit_BxV = jnp.where(jnp.isnan(top_Bx1), jnp.isnan(logits_BxV), logits_BxV == top_Bx1)
+    V = logits_BxV.shape[-1]
+    return jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V).min(axis=-1)
 
 
 def mask_logits(logits_BxV, allowed_BxV):

@@ -213,9 +213,20 @@ def test_sampling_depends_on_sequence_not_slot(top_k):
 
 
 def test_greedy_sampling_is_argmax():
-    logits_BxV = _logits(2)
-    got = decode.sample(logits_BxV, np.zeros(6, np.int32), np.zeros(6, np.int32), 0.0, 0)
-    assert np.array_equal(got, np.argmax(logits_BxV, axis=-1))
+    """Greedy sampling is NumPy's argmax row by row, ties (the first), NaN (the first NaN) and
+    infinities included, jitted or not (decode.argmax's two reductions)."""
+    logits_BxV = np.array(_logits(2))
+    logits_BxV[1, [3, 17]] = logits_BxV[1].max() + 1               # a tie: the first wins
+    logits_BxV[2, [9, 4]] = np.nan                                 # the first NaN, not the max
+    logits_BxV[3] = -np.inf                                        # nothing: index 0
+    logits_BxV[4, [30, 2]] = [np.inf, np.nan]                      # NaN over +inf
+    logits_BxV[5, [40, 41]] = np.inf
+    zeros_B = np.zeros(6, np.int32)
+    want = np.argmax(logits_BxV, axis=-1)
+    assert want.tolist()[1:] == [3, 4, 0, 2, 40]
+    got = decode.sample(logits_BxV, zeros_B, zeros_B, 0.0, 0)
+    jitted = jax.jit(decode.sample)(logits_BxV, zeros_B, zeros_B)
+    assert np.array_equal(got, want) and np.array_equal(jitted, want)
 
 
 def cache_converts(cfg, cache_dtype=None):
