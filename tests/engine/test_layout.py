@@ -58,7 +58,7 @@ def test_code_lines_count_code_only():
 def test_the_engine_stays_small_enough_to_read():
     """Lines of code (docstrings, comments and blank lines not counted): the engine (every module
     directly in minagent/) at most 2,240, the reader's path through it (README, "Reading order") at
-    most 1,115. Set from the code of 2026-12-02 once wrapped at 100 columns (1,998 and 993), with
+    most 1,120. Set from the code of 2026-12-02 once wrapped at 100 columns (1,998 and 993), with
     room for a few more checks; the engine's raised from 2,100 on 2026-12-05 for int8's one-row
     product (two lines, off the reader's path, that halve a decode step at batch 1 on CPUs without
     VNNI), and to 2,120 on 2026-12-06 for an episode's stretch in one call (decode_steps as a
@@ -77,11 +77,12 @@ def test_the_engine_stays_small_enough_to_read():
     1,115, for packed calls (31 lines, 15 on the path: extend_groups gathering a call's real
     tokens before the per-token parts and scattering the queries back for attention, the steps'
     static argument, the Runner's counts): a fifth of a 64-episode batch's positions were
-    padding, and the batch alone ran 7.0-7.8 s -> 6.4-6.8 s with them. A clear sentence never
-    counts against them."""
+    padding, and the batch alone ran 7.0-7.8 s -> 6.4-6.8 s with them. The path raised to 1,120 on
+    2026-12-07 for decode.argmax (5 lines): greedy sampling in two reductions XLA on CPU runs on
+    vectors, 7.2 -> 2.8 ms for a 64-row step's logits. A clear sentence never counts against them."""
     path = ["tokenizer", "model", "cache", "decode", "batch", "agent"]
     assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2240
-    assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1115
+    assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1120
 
 
 def test_the_readmes_line_counts_are_the_codes():
