@@ -169,6 +169,7 @@ def test_missing_file_names_the_fetch_command(tmp_path):
 
 # ---------------------------------------------------------------- the real file
 
+@pytest.mark.slow    # a comparison with the reference package; dequantizes every tensor twice, ours and the gguf package's: 7-8 s
 def test_smollm2_matches_the_gguf_package(smollm2_gguf):
     """Every metadata value and every dequantized tensor equal the reference reader's, exactly."""
     ref = pytest.importorskip("gguf")   # the PyPI package (llama.cpp's), not minagent.gguf

@@ -245,6 +245,7 @@ def test_smollm_save_load(smollm, tmp_path):
     assert back == smollm and back.encode(SPECIAL_TEXT) == smollm.encode(SPECIAL_TEXT)
 
 
+@pytest.mark.slow    # a comparison with the reference package; builds transformers' tokenizer from the GGUF file and encodes 1,000 samples: 7-8 s
 def test_smollm_matches_huggingface(smollm, smollm2_gguf):
     """Same ids as HF for the same vocabulary. transformers' GGUF loader gives a plain ByteLevel
     pre-tokenizer, so we put back SmolLM2's own (tokenizer.json): Digits(individual) then ByteLevel."""
