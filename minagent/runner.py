@@ -279,19 +279,18 @@ class Runner:
         rows_R = self.step_rows(slots.active_B)
         part = _rows_of(slots, rows_R, W)
         allowed_RxV = None if allowed_BxV is None else allowed_BxV[rows_R]
-        beside_logits = None
-        n_real, M = int(part.active_B.sum()), len(rows_R)
+        active = int(part.active_B.sum())                 # the decode rows' real tokens
         if beside:
             prefill = _prefill_rows(beside, self.prefill_rows[0], self.beside, W)
-            n_real, M = n_real + int(prefill[2].sum()), M + prefill[0].size
-        J = self.packed(n_real, M)
-        if beside:
+            J = self.packed(active + int(prefill[2].sum()), len(rows_R) + prefill[0].size)
             later, logits_RxV, beside_logits, self.kv = self._run(
                 decode.decode_prefill_step, part, *prefill, temperature, top_k, allowed_RxV,
                 self.attention, packed=J)
         else:
             later, logits_RxV, self.kv = self._run(decode.decode_step, part, temperature, top_k,
-                                                   allowed_RxV, self.attention, packed=J)
+                                                   allowed_RxV, self.attention,
+                                                   packed=self.packed(active, len(rows_R)))
+            beside_logits = None
         return _put_rows(slots, rows_R, later), logits_RxV, rows_R, beside_logits
 
     def decode_n(self, slots, left_B, ends_V, n, temperature=0.0, top_k=0):
