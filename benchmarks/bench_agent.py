@@ -507,20 +507,20 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=
         steps_jit = clock.wrap("jit", real["decode_steps"], blocking=True)
         both_jit = clock.wrap("jit", real["decode_prefill_step"], blocking=True)
 
-        def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW, **packed):
+        def prefill_step(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW, **kw):
             t0 = time.perf_counter()
-            out = prefill_jit(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW, **packed)
+            out = prefill_jit(params, cfg, cache, tokens_BxT, start_B, n_new_B, table_BxW, **kw)
             n_new_B = np.asarray(n_new_B)
             clock.model_call("prefill", time.perf_counter() - t0, len(n_new_B), int((n_new_B > 0).sum()),
-                             packed.get("packed", tokens_BxT.size), int(n_new_B.sum()))
+                             kw.get("packed", tokens_BxT.size), int(n_new_B.sum()))
             return out
 
-        def decode_step(params, cfg, cache, slots, *args, **packed):
+        def decode_step(params, cfg, cache, slots, *args, **kw):
             t0 = time.perf_counter()
-            out = decode_jit(params, cfg, cache, slots, *args, **packed)
+            out = decode_jit(params, cfg, cache, slots, *args, **kw)
             active = int(np.asarray(slots.active_B).sum())
             clock.model_call("decode", time.perf_counter() - t0, len(slots.active_B), active,
-                             packed.get("packed", len(slots.active_B)), active)
+                             kw.get("packed", len(slots.active_B)), active)
             return out
         def decode_steps(params, cfg, cache, slots, *args):     # an episode alone: its stretch in one call
             t0 = time.perf_counter()
@@ -535,13 +535,12 @@ def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=
             # counted as its n_steps decode steps: "calls" are steps, each reading every weight once
             clock.model_call("decode", time.perf_counter() - t0, rows, tokens, rows, tokens, calls=n_steps)
             return out
-        def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args,
-                                **packed):
+        def decode_prefill_step(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args, **kw):
             t0 = time.perf_counter()
-            out = both_jit(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args, **packed)
+            out = both_jit(params, cfg, cache, slots, tokens_RxT, start_R, n_new_R, table_RxW, *args, **kw)
             B, active, n_new_R = len(slots.active_B), int(np.asarray(slots.active_B).sum()), np.asarray(n_new_R)
             clock.model_call("decode+prefill", time.perf_counter() - t0, B + len(n_new_R),
-                             active + int((n_new_R > 0).sum()), packed.get("packed", B + tokens_RxT.size),
+                             active + int((n_new_R > 0).sum()), kw.get("packed", B + tokens_RxT.size),
                              active + int(n_new_R.sum()))
             return out
         decode.prefill_step, decode.decode_step, decode.decode_steps = prefill_step, decode_step, decode_steps
