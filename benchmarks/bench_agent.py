@@ -175,7 +175,12 @@ def parse_args(argv=None):
     p.add_argument("--prefill-rows", type=int, nargs="+", default=None, metavar="R",
                    help="minagent batched: these prefill row counts (RunnerConfig.prefill_rows, default 4 16); "
                         "warmed up by a run of the episodes, as with --beside. With --beside the beside rows "
-                        "are the smallest: 2 4 8 16 pads a prefill beside the step to 2 rows, not 4")
+                        "are the smallest (or up to --beside-rows): 2 4 8 16 pads a prefill beside the step to 2 "
+                        "rows, not 4")
+    p.add_argument("--beside-rows", type=int, default=None, metavar="R",
+                   help="minagent batched, with --beside: up to R rows of a prefill go beside the decode step, "
+                        "padded to the smallest prefill row count that holds them (RunnerConfig.beside_rows; "
+                        "default the smallest), warmed up by a run of the episodes, as with --beside")
     p.add_argument("--packed", action="store_true",
                    help="minagent batched: each call's products take only its real tokens (RunnerConfig.packed); "
                         "warmed up by a run of the episodes, as with --beside")
@@ -188,6 +193,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.prefill_rows is not None and min(args.prefill_rows) < 1:
         p.error(f"--prefill-rows {' '.join(map(str, args.prefill_rows))}: row counts of at least 1")
+    if args.beside_rows is not None and (args.beside_rows < 1 or args.beside is None):
+        p.error(f"--beside-rows {args.beside_rows}: a row count of at least 1, with --beside")
     if args.quick:
         args.episodes = min(args.episodes, 4)
     if args.threads is None:
@@ -478,19 +485,19 @@ def episode(status, answer, calls, tokens, positions):
 # ---------------------------------------------------------------- minagent's loops
 
 def minagent_loop(params, cfg, tok, slots, max_len, compile_shapes=True, beside=None, prefill_rows=None,
-                  packed=False):
+                  packed=False, beside_rows=None):
     """-> run(missions) -> (episodes, clock): agent.run with `slots` slots, every mission in one batch
     (slots = the missions) or one after another (slots = 1, with ONE_ROW_BUCKETS). compile_shapes:
     compile every shape the Batch's steps can use now (Batch.warmup), so that nothing compiles while
     timed; else the first run compiles what it uses. beside: RunnerConfig.prefill_beside;
     prefill_rows: RunnerConfig.prefill_rows (None: its default); packed: RunnerConfig.packed (a
-    call's positions are then those its products took).
+    call's positions are then those its products took); beside_rows: RunnerConfig.beside_rows.
 
     Instrumented from the outside: batch.step (the model's step and the Batch's host work around
     it), the jitted prefill and decode calls inside it, and each tool call."""
     rows = {} if prefill_rows is None else {"prefill_rows": tuple(prefill_rows)}
     shapes = RunnerConfig(buckets=ONE_ROW_BUCKETS, prefill_beside=beside, packed=packed, **rows) \
-        if slots == 1 else RunnerConfig(prefill_beside=beside, packed=packed, **rows)
+        if slots == 1 else RunnerConfig(prefill_beside=beside, packed=packed, beside_rows=beside_rows, **rows)
     batch = agent.new_batch(params, cfg, tok, FMT, slots=slots, max_len=max_len, runner=shapes)
     t0 = time.perf_counter()
     if compile_shapes:       # and the stretch in one call of an episode alone in the loop (Loop.step)
@@ -810,8 +817,10 @@ def make_loop(name, params, cfg, tok, threads, plan, shared):
         batched = name == "minagent batched"
         beside, rows = (plan.get("beside"), plan.get("prefill_rows")) if batched else (None, None)
         packed = batched and plan.get("packed", False)
+        beside_rows = plan.get("beside_rows") if batched else None
         return minagent_loop(params, cfg, tok, slots, plan["max_len"], beside=beside, prefill_rows=rows,
-                             packed=packed, compile_shapes=plan["warmup"] == "shapes" and not (beside or rows or packed))
+                             packed=packed, beside_rows=beside_rows,
+                             compile_shapes=plan["warmup"] == "shapes" and not (beside or rows or packed))
     if name.startswith("transformers"):
         import torch
         torch.set_num_threads(threads)
@@ -1029,7 +1038,7 @@ def main(argv=None):
         plan = {"params": str(tmp / "params.npz"), "gguf": str(gguf_path), "loops": loops, "seed": args.seed,
                 "episodes": args.episodes, "max_len": args.max_len, "warmup": "run" if args.quick else "shapes",
                 "int8": args.int8, "bf16": args.bf16, "beside": args.beside,
-                "prefill_rows": args.prefill_rows, "packed": args.packed}
+                "prefill_rows": args.prefill_rows, "packed": args.packed, "beside_rows": args.beside_rows}
         runs = {threads: run_worker(plan, threads, tmp) for threads in args.threads}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1064,6 +1073,7 @@ def main(argv=None):
                            "episodes": args.episodes, "families": FAMILIES, "seed": args.seed, "split": "test",
                            "max_len": args.max_len, "max_calls": agent.MAX_CALLS, "max_stretch": agent.MAX_STRETCH,
                            "prefill_beside": args.beside, "prefill_rows": args.prefill_rows, "packed": args.packed,
+                           "beside_rows": args.beside_rows,
                            "right_answers": right, "calls_per_episode": float(np.mean(calls))},
               "weights": about, "skipped": skipped, "logit_checks": checks,
               "versions": {t: r["versions"] for t, r in runs.items()}, "runs": table,

@@ -25,6 +25,7 @@ PARAMS = model.init(jax.random.PRNGKey(0), CFG)
     (dict(runner=RunnerConfig(buckets=())), "buckets=()"), (dict(runner=RunnerConfig(prefill_rows=(0,))), "prefill_rows=(0,)"),
     (dict(runner=RunnerConfig(prefill_rows=())), "prefill_rows=()"),
     (dict(runner=RunnerConfig(prefill_positions=0)), "prefill_positions=0"),
+    (dict(runner=RunnerConfig(beside_rows=0)), "beside_rows=0"),
     (dict(runner=RunnerConfig(prefill_rows=(2, 4), buckets=(8, 16), prefill_positions=16)), r"prefill_rows \[4\] serve no bucket"),
     (dict(runner=RunnerConfig(attention="flash")), "attention='flash'"),
     (dict(runner=RunnerConfig(mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)))), "one axis, 'data'"),

@@ -170,18 +170,19 @@ def test_cache_false_rereads_everything():
 @pytest.mark.slow
 def test_no_recompilation_after_warmup(monkeypatch):
     """200 sequences of prompt lengths 1..100 and varied limits, short prompts prefilled beside the decode
-    step: nothing compiles after warmup()."""
+    step (up to 8 rows of them, beside_rows): nothing compiles after warmup()."""
     rng = np.random.RandomState(0)
     batch = Batch(PARAMS, CFG, slots=8, n_pages=8 * 32 + 1, page_size=4, max_len=128, stop_tokens=[0],
                   runner=RunnerConfig(prefill_rows=(2, 8), prefill_positions=128, buckets=(16, 64, 128),
-                                      decode_rows=(2,), prefill_beside=16))
+                                      decode_rows=(2,), prefill_beside=16, beside_rows=8))
     batch.warmup()
     warm = batch.compiles
     beside, real = [], decode.decode_prefill_step
     monkeypatch.setattr(decode, "decode_prefill_step", lambda *a: beside.append(1) or real(*a))
     # a prefill per (rows 2, bucket, width) and (rows 8, bucket 16, width), a sample per prefill row count,
-    # a decode per (rows 2 or 8, width 1, ..., 32), and one with a prefill beside it per (rows, width)
-    assert warm <= 3 * 6 + 6 + 2 + 2 * 6 + 2 * 6
+    # a decode per (rows 2 or 8, width 1, ..., 32), and one with a prefill of 2 or 8 rows beside it per
+    # (rows, width)
+    assert warm <= 3 * 6 + 6 + 2 + 2 * 6 + 2 * 2 * 6
     for _ in range(200):
         batch.add(list(rng.randint(1, V, rng.randint(1, 101))), int(rng.randint(1, 25)))
     steps = 0
@@ -312,11 +313,14 @@ def test_a_prefill_beside_the_decode_step_changes_no_token(monkeypatch):
     """A resume's few tokens go through the model in the decode step's call while other sequences
     decode (RunnerConfig.prefill_beside): the same tokens and logits as a prefill call
     of their own (prefill_beside=None), in fewer model calls; a prefill with nothing to decode
-    beside it, or too long, still has its own call."""
-    calls = []
+    beside it, or too long, still has its own call. With beside_rows, more rows wait for the step
+    (fewer prefill calls of their own), the same tokens and logits again."""
+    calls, beside_rows = [], []                       # beside_rows: each call of both, its prefill rows
     for name in ("prefill_step", "decode_step", "decode_prefill_step"):
         def step(*args, real=getattr(decode, name), name=name, **kw):
             calls.append(name)
+            if name == "decode_prefill_step":
+                beside_rows.append(args[4].shape[0])                # tokens_RxT
             return real(*args, **kw)
         monkeypatch.setattr(decode, name, step)
 
@@ -327,9 +331,16 @@ def test_a_prefill_beside_the_decode_step_changes_no_token(monkeypatch):
     _, together = play_with_resumes(RunnerConfig(prefill_rows=(2, 4), prefill_beside=4))
     assert calls.count("decode_prefill_step") >= 3 and "prefill_step" in calls, calls
     assert len(calls) < n_alone
+    prefills_together = calls.count("prefill_step")
+    assert set(beside_rows) == {2}, beside_rows
+    del calls[:], beside_rows[:]
+    # beside_rows: up to 4 rows wait for the decode step, padded to 2 or 4
+    _, more = play_with_resumes(RunnerConfig(prefill_rows=(2, 4), prefill_beside=4, beside_rows=4))
+    assert 4 in beside_rows and calls.count("prefill_step") < prefills_together, (calls, beside_rows)
     for i in alone:
-        assert together[i][0] == alone[i][0]
-        np.testing.assert_allclose(together[i][1], alone[i][1], atol=1e-5, rtol=0)
+        for other in (together, more):
+            assert other[i][0] == alone[i][0]
+            np.testing.assert_allclose(other[i][1], alone[i][1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
@@ -380,6 +391,21 @@ def test_prefill_size_fills_the_largest_row_count_it_can():
     assert runner.prefill_size([[10] * 15 + [300] * 9]) == 4   # the 16 shortest hold a 300-token chunk
     assert runner.prefill_size([[10] * 16 + [300] * 9]) == 16  # the 16 shortest are short
     assert runner.prefill_size([[], [10] * 20]) == 16      # a mesh: some device fills it
+
+
+def test_a_prefill_goes_beside_the_decode_step_up_to_beside_rows():
+    """What waits goes in the decode step's call when it fits: at most beside_rows rows (the smallest
+    prefill row count by default), chunks of at most prefill_beside tokens."""
+    def runner(**kw):
+        return Batch(PARAMS, CFG, slots=64, n_pages=2, page_size=4, max_len=1024,
+                     runner=RunnerConfig(prefill_rows=(2, 4, 8, 16), prefill_beside=12, **kw)).runner
+    default = runner()
+    assert default.beside_rows == [2] and default.fits_beside([10, 12])
+    assert not default.fits_beside([10] * 3)
+    more = runner(beside_rows=8)
+    assert more.beside_rows == [2, 4, 8] and more.fits_beside([10] * 8)
+    assert not more.fits_beside([10] * 9) and not more.fits_beside([10, 13])   # too many; too long
+    assert runner(beside_rows=6).beside_rows == [2, 4]
 
 
 def test_pages_hold_back_then_clear_error():

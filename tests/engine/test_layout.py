@@ -79,9 +79,12 @@ def test_the_engine_stays_small_enough_to_read():
     static argument, the Runner's counts): a fifth of a 64-episode batch's positions were
     padding, and the batch alone ran 7.0-7.8 s -> 6.4-6.8 s with them. The path raised to 1,120 on
     2026-12-07 for decode.argmax (5 lines): greedy sampling in two reductions XLA on CPU runs on
-    vectors, 7.2 -> 2.8 ms for a 64-row step's logits. A clear sentence never counts against them."""
+    vectors, 7.2 -> 2.8 ms for a 64-row step's logits. The engine's raised to 2,250 on 2026-12-07
+    for RunnerConfig.beside_rows (6 lines, off the reader's path): more of a prefill waits for the
+    decode step's call, 66 calls -> 53 and about a tenth off 64 packed episodes on 2 cores. A
+    clear sentence never counts against them."""
     path = ["tokenizer", "model", "cache", "decode", "batch", "agent"]
-    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2240
+    assert sum(code_lines(p) for p in (ROOT / "minagent").glob("*.py")) <= 2250
     assert sum(code_lines(ROOT / "minagent" / f"{name}.py") for name in path) <= 1120
 
 

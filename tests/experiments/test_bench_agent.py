@@ -94,9 +94,9 @@ def test_int8_with_bfloat16_beside_is_one_format_whose_decode_step_reads_the_int
 
 
 def test_prefill_rows_and_beside_reach_the_batched_loop_only():
-    """--prefill-rows, --beside and --packed set the batched loop's RunnerConfig (one by one keeps its own),
-    such a loop compiles nothing up front (its warm-up is a run of the episodes), and a row count
-    under 1 is refused."""
+    """--prefill-rows, --beside, --beside-rows and --packed set the batched loop's RunnerConfig (one by one
+    keeps its own), such a loop compiles nothing up front (its warm-up is a run of the episodes), and a
+    row count under 1, or beside rows without --beside, is refused."""
     import importlib.util
 
     import jax
@@ -106,19 +106,21 @@ def test_prefill_rows_and_beside_reach_the_batched_loop_only():
     spec = importlib.util.spec_from_file_location("bench_agent", ROOT / "benchmarks" / "bench_agent.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = bench.parse_args(["--beside", "12", "--prefill-rows", "2", "4", "8", "--packed"])
-    assert (args.beside, args.prefill_rows, args.packed) == (12, [2, 4, 8], True)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--prefill-rows", "0", "4"])
+    args = bench.parse_args(["--beside", "12", "--prefill-rows", "2", "4", "8", "--packed", "--beside-rows", "4"])
+    assert (args.beside, args.prefill_rows, args.packed, args.beside_rows) == (12, [2, 4, 8], True, 4)
+    for bad in (["--prefill-rows", "0", "4"], ["--beside", "12", "--beside-rows", "0"], ["--beside-rows", "4"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
     tok = tk.train("add 4821 3907 " * 50, vocab_size=300, specials=list(chat.CHATML.specials))   # the bench's format
     cfg = model.Config(vocab_size=tok.n_vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
     params = model.init(jax.random.PRNGKey(0), cfg)
-    plan = {"beside": 12, "prefill_rows": [2, 4, 8], "packed": True, "max_len": 64, "episodes": 8,
-            "warmup": "shapes"}
+    plan = {"beside": 12, "prefill_rows": [2, 4, 8], "packed": True, "beside_rows": 4, "max_len": 64,
+            "episodes": 8, "warmup": "shapes"}
     batched = bench.make_loop("minagent batched", params, cfg, tok, 2, plan, {})
     alone = bench.make_loop("minagent one by one", params, cfg, tok, 2, {**plan, "warmup": "run"}, {})   # no compiling
     assert batched.batch.runner.prefill_rows == [2, 4, 8] and batched.batch.runner.beside == 12
+    assert batched.batch.runner.beside_rows == [2, 4]
     assert batched.batch.runner.pack and not alone.batch.runner.pack
     assert batched.compile_s is None                          # warmed up by a run, not by every shape
     assert alone.batch.runner.prefill_rows == [1] and alone.batch.runner.beside is None
