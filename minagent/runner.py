@@ -35,9 +35,9 @@ waits fits one call of the smallest row count with chunks of at most prefill_bes
 few tool results, say), it runs in the decode step's call (decode.decode_prefill_step), its
 chunks padded to prefill_beside: the weights are read once for both (64 episodes of SmolLM2 on
 2 cores: 42 prefill calls -> 22). Each decode shape compiles a second time with those rows
-beside it, which is why it is off by default: see the memory mappings below. beside_rows lets
-more wait beside the step (each prefill row count up to it one more compiled shape a decode
-shape), in the smallest row count that holds them.
+beside it, which is why it is off by default: see the memory mappings below.
+RunnerConfig.beside_rows lets more wait for the step: up to that many rows, in the smallest
+prefill row count that holds them, each such row count one more compiled shape a decode shape.
 
 Every shape is one more compiled step, and on CPU several hundred to a thousand more memory
 mappings (SmolLM2's float32 decode step with its 30 layers unrolled, per_layer: 976; stacked: 137;
@@ -106,7 +106,7 @@ class RunnerConfig:
                    count that holds them; None: the smallest prefill row count. A call of both
                    then takes what would be prefill calls of their own (64 episodes of SmolLM2,
                    int8 with bfloat16 beside, packed, prefill_rows (2, 4, 8, 16), on 2 cores of
-                   a Zen 4: up to 16 rows, 66 calls -> 53, 5.5-5.7 s -> 5.1-5.2 s)
+                   a Zen 4: up to 16 rows, 66 calls -> 53, 5.4-5.7 s -> 5.1-5.2 s)
     packed         a call's products take only its real tokens (decode.extend_groups' packed), their
                    count rounded up to 4, 5, 6 or 7 times a power of two (at most a quarter more),
                    not every row's chunk padded to its bucket and every idle row. One compiled
@@ -273,7 +273,7 @@ class Runner:
 
     def fits_beside(self, lengths):
         """Whether prefill chunks of these lengths (a device's, shortest first) go in the decode
-        step's call (RunnerConfig.prefill_beside)."""
+        step's call (RunnerConfig.prefill_beside and beside_rows)."""
         return (self.beside is not None and len(lengths) <= self.beside_rows[-1]
                 and lengths[-1] <= self.beside)
 
