@@ -97,11 +97,12 @@ class RunnerConfig:
     mesh           a one-axis "data" mesh of D devices (mesh.data_mesh), or None for one device
     decode_rows    the row counts a decode step runs at (one compiled shape each, for every
                    width; the slot count is always one); on a mesh, every slot, always
-    prefill_beside a prefill that fits one call of the smallest row count, chunks of at most
-                   this many tokens (padded to it), runs in the decode step's call when there
-                   is one (decode.decode_prefill_step: one pass over the weights for both);
-                   None (the default): always a call of its own. Each decode shape compiles
-                   a second time with those rows beside it ("Shapes" above). Not on a mesh
+    prefill_beside a prefill that fits one call of the smallest row count (or of beside_rows),
+                   chunks of at most this many tokens (padded to it), runs in the decode step's
+                   call when there is one (decode.decode_prefill_step: one pass over the weights
+                   for both); None (the default): always a call of its own. Each decode shape
+                   compiles a second time with those rows beside it ("Shapes" above). Not on a
+                   mesh
     beside_rows    the most rows such a prefill may take, padded to the smallest prefill row
                    count that holds them; None: the smallest prefill row count. A call of both
                    then takes what would be prefill calls of their own (64 episodes of SmolLM2,
